@@ -1,0 +1,23 @@
+"""Inference engines behind one small protocol (``engines.base.Engine``).
+
+``make_engines(config)`` builds the configured engine's replicas; engine modules are
+imported lazily so that heavy dependencies (torch, httpx) load only when used.
+"""
+
+from __future__ import annotations
+
+from engines.base import Engine, Tokenizer
+from engines.config import EngineConfig
+
+__all__ = ["Engine", "EngineConfig", "Tokenizer", "make_engines"]
+
+
+async def make_engines(config: EngineConfig) -> list[Engine]:
+    """Start the replicas of the configured engine (one per URL for remote engines)."""
+    from server.errors import InvalidArgument
+
+    if config.type == "toy":
+        from engines.toy import ToyEngine
+
+        return [ToyEngine(config.toy, model=config.model, replica=f"toy-{i}") for i in range(config.replicas)]
+    raise InvalidArgument(f"engine type {config.type!r} is not available in this build")

@@ -1,0 +1,59 @@
+"""Exact sampling from a logit vector (numpy), shared by the CPU engines.
+
+``processed_logprobs`` returns the log-probabilities of the distribution that is actually
+sampled from, after temperature, top-k and top-p, so the logprob reported for a sampled
+token is exact (the invariant trainers rely on for importance ratios).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.types import SamplingParams
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def log_softmax(logits: FloatArray) -> FloatArray:
+    shifted = logits - np.max(logits)
+    return shifted - np.log(np.sum(np.exp(shifted)))
+
+
+def processed_logprobs(logits: FloatArray, params: SamplingParams) -> FloatArray:
+    """Log-probabilities after temperature, top-k and top-p (``-inf`` for excluded tokens).
+
+    Greedy (temperature 0) returns the raw distribution; the caller takes the argmax.
+    """
+    if params.temperature == 0:
+        return log_softmax(logits)
+    scaled = logits / params.temperature
+    if 0 < params.top_k < scaled.shape[0]:
+        kth = np.partition(scaled, -params.top_k)[-params.top_k]
+        scaled = np.where(scaled >= kth, scaled, -np.inf)
+    logp = log_softmax(scaled)
+    if params.top_p < 1.0:
+        order = np.argsort(-logp, kind="stable")
+        probs = np.exp(logp[order])
+        cum = np.cumsum(probs)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        keep = int(np.searchsorted(cum, params.top_p, side="left")) + 1
+        mask = np.full(logp.shape, -np.inf)
+        mask[order[:keep]] = 0.0
+        logp = log_softmax(logp + mask)
+    return logp
+
+
+def sample(logits: FloatArray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, float]:
+    """Sample one token; return it with its logprob under the sampling distribution."""
+    logp = processed_logprobs(logits, params)
+    if params.temperature == 0:
+        token = int(np.argmax(logp))
+    else:
+        # Inverse-CDF sampling: one uniform draw per token, reproducible for a given seed.
+        cdf = np.cumsum(np.exp(logp))
+        token = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+        token = min(token, cdf.shape[0] - 1)
+        while logp[token] == -np.inf:  # a zero-width bucket can only be hit at its edge
+            token -= 1
+    return token, float(logp[token])

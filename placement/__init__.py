@@ -1,0 +1,1 @@
+"""Request routing across engine replicas, GPU/MIG inventory and replica placement."""

@@ -1,0 +1,429 @@
+"""Trainer-side clients: ``AsyncBridgeClient`` and its sync facade ``BridgeClient``.
+
+Retries: only UNAVAILABLE, and only before the bridge accepted the call. The bridge sends
+response headers once a request is validated and recorded, and gRPC's own retry policy
+(below) never retries a call after headers arrived, so a retried Step can never append an
+observation twice. Retries are bounded by attempts and by the call's deadline.
+
+Session tracking: the client remembers the episodes it opened and frees the ones still open
+on ``close()`` (also on ``async with`` exit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from proto.primerl.v1 import primerl_pb2 as pb
+from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
+from rl_client.errors import BridgeError, from_rpc_error
+from rl_client.types import (
+    FINISH_REASONS,
+    ORIGINS,
+    Chunk,
+    Message,
+    Prompt,
+    Sampling,
+    Started,
+    Trajectory,
+    TurnInfo,
+    TurnResult,
+    Usage,
+)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "primerl.v1.PrimeRL"}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
+def _sampling(s: Sampling | Mapping[str, Any] | None) -> pb.SamplingParams:
+    if s is None:
+        return pb.SamplingParams()
+    if isinstance(s, Mapping):
+        s = Sampling(**s)
+    p = pb.SamplingParams(stop_token_ids=list(s.stop_token_ids))
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos"):
+        value = getattr(s, name)
+        if value is not None:
+            setattr(p, name, value)
+    return p
+
+
+def _messages(items: Sequence[Message] | Sequence[Mapping[str, str]]) -> pb.Messages:
+    out = pb.Messages()
+    for m in items:
+        if isinstance(m, Message):
+            out.messages.add(role=m.role, content=m.content, name=m.name)
+        else:
+            out.messages.add(role=m["role"], content=m["content"], name=m.get("name", ""))
+    return out
+
+
+def _is_token_ids(items: Prompt) -> bool:
+    return all(isinstance(x, (int, np.integer)) for x in items)
+
+
+def _usage(u: pb.Usage) -> Usage:
+    return Usage(u.prompt_tokens, u.cached_tokens, u.generated_tokens)
+
+
+def _turn_result(ids: list[int], logprobs: list[float], origins: list[str], done: pb.TurnDone) -> TurnResult:
+    return TurnResult(
+        token_ids=np.asarray(ids, dtype=np.int32),
+        logprobs=np.asarray(logprobs, dtype=np.float32),
+        origins=origins,
+        text=done.text,
+        finish_reason=FINISH_REASONS[done.finish_reason],
+        usage=_usage(done.usage),
+        policy_version=done.policy_version,
+        turn_index=done.turn_index,
+    )
+
+
+def _trajectory(t: pb.Trajectory) -> Trajectory:
+    return Trajectory(
+        episode_id=t.episode_id,
+        group_id=t.group_id,
+        group_index=t.group_index,
+        model=t.model,
+        token_ids=np.asarray(t.token_ids, dtype=np.int32),
+        logprobs=np.asarray(t.logprobs, dtype=np.float32),
+        loss_mask=np.asarray(t.loss_mask, dtype=np.bool_),
+        origins=np.asarray(t.origins, dtype=np.int8),
+        policy_versions=np.asarray(t.policy_versions, dtype=np.int64),
+        prompt_length=t.prompt_length,
+        turns=[
+            TurnInfo(
+                x.observation_start,
+                x.generation_start,
+                x.end,
+                FINISH_REASONS[x.finish_reason],
+                _usage(x.usage),
+                x.policy_version,
+                x.latency_ms,
+                x.ttft_ms,
+            )
+            for x in t.turns
+        ],
+        rewards=list(t.rewards),
+        turn_rewards=list(t.turn_rewards),
+        metadata=dict(t.metadata),
+        duration_ms=t.duration_ms,
+    )
+
+
+class AsyncBridgeClient:
+    """Asynchronous client of a PrimeRL bridge (one per event loop)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = 600.0,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        max_message_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        options = [
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", _RETRY_SERVICE_CONFIG),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if credentials is not None:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._stub = pb_grpc.PrimeRLStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout = timeout
+        self.open_episodes: set[str] = set()
+
+    async def __aenter__(self) -> AsyncBridgeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: Callable[..., Awaitable[T]], request: Any, timeout: float | None) -> T:
+        try:
+            return await method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def start_episode(
+        self,
+        prompt: Prompt,
+        *,
+        model: str = "",
+        sampling: Sampling | Mapping[str, Any] | None = None,
+        group_size: int = 1,
+        group_id: str = "",
+        tools: Sequence[Mapping[str, Any] | str] = (),
+        metadata: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Started:
+        """Open an episode (or a GRPO group of ``group_size``) from token ids or chat messages."""
+        req = pb.StartEpisodeRequest(
+            model=model,
+            sampling=_sampling(sampling),
+            group_size=group_size,
+            group_id=group_id,
+            tool_schemas_json=[t if isinstance(t, str) else json.dumps(t) for t in tools],
+            metadata=dict(metadata or {}),
+        )
+        if _is_token_ids(prompt):
+            req.prompt_token_ids.ids.extend(int(x) for x in prompt)  # type: ignore[union-attr]
+        else:
+            req.prompt_messages.CopyFrom(_messages(prompt))  # type: ignore[arg-type]
+        resp = await self._call(self._stub.StartEpisode, req, timeout)
+        self.open_episodes.update(resp.episode_ids)
+        return Started(
+            list(resp.episode_ids),
+            resp.group_id,
+            resp.policy_version,
+            resp.placement.engine,
+            resp.placement.replica,
+            resp.prompt_tokens,
+        )
+
+    def _step_request(
+        self, episode_id: str, observation: Prompt | None, sampling: Sampling | Mapping[str, Any] | None, stream: bool
+    ) -> pb.StepRequest:
+        req = pb.StepRequest(episode_id=episode_id, sampling=_sampling(sampling), stream=stream)
+        if observation:
+            if _is_token_ids(observation):
+                req.observation_token_ids.ids.extend(int(x) for x in observation)  # type: ignore[union-attr]
+            else:
+                req.observation_messages.CopyFrom(_messages(observation))  # type: ignore[arg-type]
+        return req
+
+    async def stream_step(
+        self,
+        episode_id: str,
+        observation: Prompt | None = None,
+        *,
+        sampling: Sampling | Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[Chunk]:
+        """Run one turn, yielding chunks as tokens are sampled (the last has ``done``)."""
+        req = self._step_request(episode_id, observation, sampling, stream=True)
+        call = self._stub.Step(req, timeout=timeout or self.timeout, metadata=self._metadata)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        origins: list[str] = []
+        try:
+            async for c in call:
+                names = [ORIGINS[o] for o in c.origins]
+                ids.extend(c.token_ids)
+                logprobs.extend(c.logprobs)
+                origins.extend(names)
+                done = _turn_result(ids, logprobs, origins, c.done) if c.HasField("done") else None
+                yield Chunk(list(c.token_ids), list(c.logprobs), names, c.text, done)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    async def step(
+        self,
+        episode_id: str,
+        observation: Prompt | None = None,
+        *,
+        sampling: Sampling | Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> TurnResult:
+        """Run one turn and return it whole."""
+        req = self._step_request(episode_id, observation, sampling, stream=False)
+        call = self._stub.Step(req, timeout=timeout or self.timeout, metadata=self._metadata)
+        try:
+            async for c in call:
+                if c.HasField("done"):
+                    return _turn_result(list(c.token_ids), list(c.logprobs), [ORIGINS[o] for o in c.origins], c.done)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        raise BridgeError(grpc.StatusCode.INTERNAL, "the bridge ended the Step stream without a final chunk")
+
+    async def end_episode(
+        self,
+        episode_id: str,
+        reward: float | Sequence[float] | None = None,
+        *,
+        turn_rewards: Sequence[float] = (),
+        timeout: float | None = None,
+    ) -> Trajectory:
+        """Attach the reward(s), get the trajectory, free the episode."""
+        rewards = [] if reward is None else [float(reward)] if isinstance(reward, (int, float)) else list(reward)
+        req = pb.EndEpisodeRequest(episode_id=episode_id, rewards=rewards, turn_rewards=list(turn_rewards))
+        resp = await self._call(self._stub.EndEpisode, req, timeout)
+        self.open_episodes.discard(episode_id)
+        return _trajectory(resp.trajectory)
+
+    async def discard_episode(self, episode_id: str, timeout: float | None = None) -> None:
+        """Free an episode without fetching its trajectory."""
+        await self._call(self._stub.EndEpisode, pb.EndEpisodeRequest(episode_id=episode_id, discard=True), timeout)
+        self.open_episodes.discard(episode_id)
+
+    async def update_weights(
+        self, checkpoint_path: str = "", *, policy_version: int = 0, keep_kv: bool = False, model: str = ""
+    ) -> int:
+        """Load new weights on every replica; returns the new policy version."""
+        req = pb.UpdateWeightsRequest(
+            model=model, checkpoint_path=checkpoint_path, policy_version=policy_version, keep_kv=keep_kv
+        )
+        resp = await self._call(self._stub.UpdateWeights, req, None)
+        return resp.policy_version
+
+    async def server_info(self) -> pb.ServerInfo:
+        return await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), 30.0)
+
+    async def close(self) -> None:
+        """Free the episodes this client left open, then close the channel."""
+        for episode_id in list(self.open_episodes):
+            try:
+                await self.discard_episode(episode_id, timeout=5.0)
+            except BridgeError:
+                self.open_episodes.discard(episode_id)
+        await self._channel.close()
+
+
+async def run_episodes(
+    client: AsyncBridgeClient,
+    specs: Iterable[T],
+    rollout: Callable[[AsyncBridgeClient, T], Awaitable[R]],
+    *,
+    concurrency: int = 64,
+    progress: bool | str = False,
+) -> list[R]:
+    """Run ``rollout(client, spec)`` for every spec, at most ``concurrency`` at once, in order.
+
+    ``progress`` shows a progress bar (its text when a string). The first failure cancels the
+    rest and is raised.
+    """
+    items = list(specs)
+    sem = asyncio.Semaphore(max(1, concurrency))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(items), desc=progress if isinstance(progress, str) else "episodes", unit="ep")
+
+    async def one(spec: T) -> R:
+        async with sem:
+            result = await rollout(client, spec)
+        if bar is not None:
+            bar.update(1)
+        return result
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(s), name=f"rollout-{i}") for i, s in enumerate(items)]
+    finally:
+        if bar is not None:
+            bar.close()
+    return [t.result() for t in tasks]
+
+
+class BridgeClient:
+    """Synchronous facade over ``AsyncBridgeClient`` (runs it on a private event loop thread)."""
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="primerl-client-loop", daemon=True)
+        self._thread.start()
+        self._client: AsyncBridgeClient = self._run(self._make(target, kwargs))
+
+    @staticmethod
+    async def _make(target: str, kwargs: dict[str, Any]) -> AsyncBridgeClient:
+        return AsyncBridgeClient(target, **kwargs)
+
+    def _run(self, coro: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
+
+    def __enter__(self) -> BridgeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def open_episodes(self) -> set[str]:
+        return self._client.open_episodes
+
+    @property
+    def aio(self) -> AsyncBridgeClient:
+        """The underlying async client (use it only from ``run_episodes`` rollouts)."""
+        return self._client
+
+    def start_episode(self, prompt: Prompt, **kwargs: Any) -> Started:
+        return self._run(self._client.start_episode(prompt, **kwargs))
+
+    def step(self, episode_id: str, observation: Prompt | None = None, **kwargs: Any) -> TurnResult:
+        return self._run(self._client.step(episode_id, observation, **kwargs))
+
+    def stream_step(self, episode_id: str, observation: Prompt | None = None, **kwargs: Any) -> Iterator[Chunk]:
+        stream = self._client.stream_step(episode_id, observation, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._run(anext(stream))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(stream.aclose())
+
+    def end_episode(self, episode_id: str, reward: float | Sequence[float] | None = None, **kwargs: Any) -> Trajectory:
+        return self._run(self._client.end_episode(episode_id, reward, **kwargs))
+
+    def discard_episode(self, episode_id: str) -> None:
+        self._run(self._client.discard_episode(episode_id))
+
+    def update_weights(self, checkpoint_path: str = "", **kwargs: Any) -> int:
+        return self._run(self._client.update_weights(checkpoint_path, **kwargs))
+
+    def server_info(self) -> pb.ServerInfo:
+        return self._run(self._client.server_info())
+
+    def run_episodes(
+        self,
+        specs: Iterable[T],
+        rollout: Callable[[AsyncBridgeClient, T], Awaitable[R]],
+        *,
+        concurrency: int = 64,
+        progress: bool | str = False,
+    ) -> list[R]:
+        """Run async ``rollout`` coroutines concurrently (see ``rl_client.run_episodes``)."""
+        return self._run(run_episodes(self._client, specs, rollout, concurrency=concurrency, progress=progress))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+
+__all__ = ["AsyncBridgeClient", "BridgeClient", "run_episodes"]

@@ -1,0 +1,128 @@
+"""Plain Python results of the trainer client (numpy arrays, no protobuf)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+FinishReason = Literal["stop", "length", "abort", "unspecified"]
+ORIGINS = ("unspecified", "prompt", "env", "sampled", "draft_accepted", "resampled", "forced")
+FINISH_REASONS: tuple[FinishReason, ...] = ("unspecified", "stop", "length", "abort")
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling parameters; None inherits (turn <- episode <- server defaults)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    seed: int | None = None
+    ignore_eos: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str
+    content: str
+    name: str = ""
+
+
+Prompt = Sequence[int] | Sequence[Message] | Sequence[Mapping[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """Result of ``start_episode``: one id per group member."""
+
+    episode_ids: list[str]
+    group_id: str
+    policy_version: int
+    engine: str
+    replica: str
+    prompt_tokens: int
+
+    @property
+    def episode_id(self) -> str:
+        return self.episode_ids[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Part of a streamed turn; ``done`` is set on the last chunk."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    origins: list[str]
+    text: str
+    done: TurnResult | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    """One completed turn."""
+
+    token_ids: npt.NDArray[np.int32]
+    logprobs: npt.NDArray[np.float32]
+    origins: list[str]
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    policy_version: int
+    turn_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInfo:
+    observation_start: int
+    generation_start: int
+    end: int
+    finish_reason: FinishReason
+    usage: Usage
+    policy_version: int
+    latency_ms: float
+    ttft_ms: float
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """The exact token-level record of an episode; all arrays have one entry per token."""
+
+    episode_id: str
+    group_id: str
+    group_index: int
+    model: str
+    token_ids: npt.NDArray[np.int32]
+    logprobs: npt.NDArray[np.float32]
+    loss_mask: npt.NDArray[np.bool_]
+    origins: npt.NDArray[np.int8]
+    policy_versions: npt.NDArray[np.int64]
+    prompt_length: int
+    turns: list[TurnInfo]
+    rewards: list[float]
+    turn_rewards: list[float]
+    metadata: dict[str, str] = field(default_factory=dict)
+    duration_ms: float = 0.0
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def reward(self) -> float:
+        return self.rewards[0] if self.rewards else 0.0
+
+    def origin_names(self) -> list[str]:
+        return [ORIGINS[o] for o in self.origins]

@@ -1,0 +1,94 @@
+"""Server assembly and lifecycle: ``create_server`` builds a ready-to-start bridge.
+
+Shutdown order (``BridgeServer.stop``): health NOT_SERVING -> stop accepting RPCs ->
+drain in-flight Steps for the grace period -> close engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from engines import Engine, make_engines
+from proto.primerl.v1 import primerl_pb2 as pb
+from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
+from server.bridge import Bridge
+from server.config import Settings
+from server.service import PrimeRLService
+
+log = logging.getLogger("primerl.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrimeRL"].full_name
+
+
+@dataclass
+class BridgeServer:
+    server: grpc.aio.Server
+    port: int
+    bridge: Bridge
+    health: HealthServicer
+    settings: Settings
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.server.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        unhealthy = [(e.info.replica, h.detail) for e in self.bridge.engines if not (h := await e.health()).healthy]
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if unhealthy else health_pb2.HealthCheckResponse.SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+        for replica, detail in unhealthy:
+            log.error("engine replica %s is not healthy (%s): reporting NOT_SERVING", replica, detail)
+
+    async def stop(self, grace: float | None = None) -> None:
+        grace = self.settings.server.grace_period_s if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        for engine in self.bridge.engines:
+            await engine.close()
+
+
+async def create_server(settings: Settings, engines: Sequence[Engine] | None = None) -> BridgeServer:
+    """Build the bridge (engines started, port bound, not yet serving)."""
+    engines = list(engines) if engines is not None else await make_engines(settings.engine)
+    bridge = Bridge(engines, settings.admission, settings.sampling)
+    limit = settings.server.max_message_bytes
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    )
+    pb_grpc.add_PrimeRLServicer_to_server(PrimeRLService(bridge), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{settings.server.host}:{settings.server.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.server.host}:{settings.server.port}")
+    return BridgeServer(server, port, bridge, health, settings)
+
+
+async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then shut down gracefully."""
+    bridge_server = await create_server(settings)
+    await bridge_server.start()
+    info = bridge_server.bridge.info
+    log.info("PrimeRL bridge serving %s (%s engine, %d replica(s)) on %s", info.model, info.engine,
+             len(bridge_server.bridge.engines), bridge_server.address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("shutting down: draining in-flight Steps for up to %.0f s", settings.server.grace_period_s)
+    await bridge_server.stop()

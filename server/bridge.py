@@ -1,0 +1,358 @@
+"""The bridge's business logic: episodes, turns and trajectories over typed objects.
+
+The gRPC layer (``server.service``) converts protobuf to these calls and back; everything
+here is testable without sockets. Data flow of one turn: validate everything first (nothing
+is written for a bad request) -> mark the episode busy -> append the observation -> stream the
+engine's tokens into the episode as they arrive -> close the turn (always, also on cancel,
+deadline or engine failure, with finish reason ABORT and the partial tokens kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from engines.base import Engine
+from engines.types import (
+    FinishReason,
+    GenerateRequest,
+    Message,
+    Origin,
+    SamplingParams,
+    TokenChunk,
+    Usage,
+    WeightUpdate,
+    check_token_ids,
+)
+from placement.router import StickyLeastLoaded
+from server.config import AdmissionConfig, SamplingDefaults
+from server.episodes import Episode, EpisodeStore, Turn
+from server.errors import (
+    DeadlineExceeded,
+    EngineError,
+    EpisodeBusy,
+    InvalidArgument,
+    ResourceExhausted,
+    Unimplemented,
+)
+
+VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOverrides:
+    """Sampling fields a request sets explicitly (None = inherit)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    seed: int | None = None
+    ignore_eos: bool | None = None
+
+    def apply(self, base: SamplingParams) -> SamplingParams:
+        changes = {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None}
+        return replace(base, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class StartRequest:
+    model: str = ""
+    prompt_ids: tuple[int, ...] | None = None
+    prompt_messages: tuple[Message, ...] | None = None
+    tool_schemas: tuple[str, ...] = ()
+    sampling: SamplingOverrides = SamplingOverrides()
+    group_size: int = 1
+    group_id: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    tenant: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StartResult:
+    episode_ids: list[str]
+    group_id: str
+    policy_version: int
+    engine: str
+    replica: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    episode_id: str
+    observation_ids: tuple[int, ...] | None = None
+    observation_messages: tuple[Message, ...] | None = None
+    sampling: SamplingOverrides = SamplingOverrides()
+    tenant: str = ""
+    deadline_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """Tokens appended to the episode since the last update; ``turn`` is set on the last one."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    origins: tuple[Origin, ...]
+    turn: Turn | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EndRequest:
+    episode_id: str
+    rewards: tuple[float, ...] = ()
+    turn_rewards: tuple[float, ...] = ()
+    discard: bool = False
+    tenant: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EndResult:
+    episode: Episode
+    rewards: tuple[float, ...]
+    turn_rewards: tuple[float, ...]
+    duration_ms: float
+
+
+class Bridge:
+    """Episodes over a set of engine replicas serving one model."""
+
+    def __init__(self, engines: Sequence[Engine], admission: AdmissionConfig, defaults: SamplingDefaults) -> None:
+        if not engines:
+            raise ValueError("a bridge needs at least one engine replica")
+        self.engines = list(engines)
+        self.info = self.engines[0].info
+        self.tokenizer = self.engines[0].tokenizer
+        self.admission = admission
+        self.defaults = SamplingParams(
+            temperature=defaults.temperature,
+            top_p=defaults.top_p,
+            top_k=defaults.top_k,
+            max_tokens=min(defaults.max_tokens, admission.max_tokens_per_turn),
+        )
+        self.store = EpisodeStore(admission.max_episodes)
+        self.router = StickyLeastLoaded(len(self.engines))
+        self._group_ids = itertools.count()
+
+    @property
+    def policy_version(self) -> int:
+        return max(e.policy_version for e in self.engines)
+
+    # -- validation ---------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> str:
+        if model and model != self.info.model:
+            raise InvalidArgument(f"unknown model {model!r}; this bridge serves {self.info.model!r}")
+        return self.info.model
+
+    def _check_sampling(self, params: SamplingParams) -> None:
+        params.validate(self.info.vocab_size)
+        if params.max_tokens > self.admission.max_tokens_per_turn:
+            raise InvalidArgument(
+                f"sampling.max_tokens = {params.max_tokens} exceeds the limit of "
+                f"{self.admission.max_tokens_per_turn} tokens per turn"
+            )
+        if params.max_tokens >= self.info.max_model_len:
+            raise InvalidArgument(
+                f"sampling.max_tokens = {params.max_tokens} does not fit the context window of "
+                f"{self.info.max_model_len} tokens"
+            )
+
+    def _render(self, messages: Sequence[Message], history: Sequence[int] | None, tools: Sequence[str]) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidArgument(f"engine {self.info.engine!r} has no tokenizer: send token ids, not messages")
+        for i, m in enumerate(messages):
+            if m.role not in VALID_ROLES:
+                raise InvalidArgument(f"messages[{i}].role = {m.role!r}; expected one of {sorted(VALID_ROLES)}")
+        if history is None:
+            return self.tokenizer.render_prompt(messages, tools)
+        return self.tokenizer.render_continuation(messages, history)
+
+    def _check_length(self, total: int, what: str) -> None:
+        if total >= self.info.max_model_len:
+            raise InvalidArgument(
+                f"{what} of {total} tokens leaves no room in the context window of {self.info.max_model_len} tokens"
+            )
+        if total >= self.admission.max_tokens_per_episode:
+            raise ResourceExhausted(
+                f"{what} of {total} tokens reaches the limit of {self.admission.max_tokens_per_episode} "
+                "tokens per episode"
+            )
+
+    # -- RPCs ---------------------------------------------------------------------------
+
+    async def start_episode(self, req: StartRequest) -> StartResult:
+        model = self._check_model(req.model)
+        if not 1 <= req.group_size <= self.admission.max_group_size:
+            raise InvalidArgument(f"group_size must be in [1, {self.admission.max_group_size}], got {req.group_size}")
+        params = req.sampling.apply(self.defaults)
+        self._check_sampling(params)
+        if req.prompt_messages is not None:
+            if not req.prompt_messages:
+                raise InvalidArgument("prompt_messages is empty: send at least one message")
+            prompt = self._render(req.prompt_messages, None, req.tool_schemas)
+        elif req.prompt_ids:
+            prompt = list(req.prompt_ids)
+            check_token_ids(prompt, self.info.vocab_size, "prompt_token_ids")
+        else:
+            raise InvalidArgument("the prompt is empty: set prompt_token_ids or prompt_messages")
+        self._check_length(len(prompt), "the prompt")
+        self.store.admit(req.group_size)
+
+        group_id = req.group_id or f"grp-{uuid.uuid4().hex[:16]}"
+        replica = self.router.place_group(group_id)
+        version = self.engines[replica].policy_version
+        ids = []
+        for i in range(req.group_size):
+            member = params if params.seed is None else replace(params, seed=(params.seed + i) % 2**63)
+            episode = Episode(
+                id=self.store.new_id(),
+                tenant=req.tenant,
+                model=model,
+                group_id=group_id,
+                group_index=i,
+                replica=replica,
+                sampling=member,
+                metadata=dict(req.metadata),
+            )
+            episode.append_unsampled(prompt, Origin.PROMPT, version)
+            episode.prompt_length = len(prompt)
+            self.store.add(episode)
+            self.router.attach(replica, group_id)
+            ids.append(episode.id)
+        return StartResult(ids, group_id, version, self.info.engine, self.engines[replica].info.replica, len(prompt))
+
+    async def step(self, req: StepRequest) -> AsyncIterator[StepUpdate]:
+        """Run one turn; yields the tokens as they are appended, the last update has ``turn``."""
+        episode = self.store.get(req.episode_id, req.tenant)
+        if episode.busy:
+            raise EpisodeBusy(f"episode {episode.id!r} already has a Step in progress; wait for it to finish")
+        params = req.sampling.apply(episode.sampling)
+        self._check_sampling(params)
+        if req.observation_messages:
+            observation = self._render(req.observation_messages, episode.token_ids, ())
+        else:
+            observation = list(req.observation_ids or ())
+            check_token_ids(observation, self.info.vocab_size, "observation_token_ids")
+        total = len(episode.token_ids) + len(observation)
+        self._check_length(total, "the episode history")
+        budget = min(
+            params.max_tokens,
+            self.info.max_model_len - total,
+            self.admission.max_tokens_per_episode - total,
+        )
+        if params.seed is not None and req.sampling.seed is None:
+            # An episode-level seed covers the whole episode: turn t samples with seed + t * 7919
+            # (a per-turn override is used as given).
+            params = replace(params, seed=(params.seed + len(episode.turns) * 7919) % 2**63)
+        engine = self.engines[episode.replica]
+        version = engine.policy_version
+
+        # Validated: from here on the episode changes, and the turn is always closed.
+        episode.busy = True
+        try:
+            episode.append_unsampled(observation, Origin.ENV, version)
+            turn = Turn(
+                index=len(episode.turns),
+                observation_start=total - len(observation),
+                generation_start=total,
+                end=total,
+                policy_version=version,
+            )
+            episode.turns.append(turn)
+            yield StepUpdate((), (), ())  # validated and recorded: the call is accepted
+            async for update in self._generate(episode, engine, turn, replace(params, max_tokens=budget), req):
+                yield update
+        finally:
+            episode.busy = False
+
+    async def _generate(
+        self, episode: Episode, engine: Engine, turn: Turn, params: SamplingParams, req: StepRequest
+    ) -> AsyncIterator[StepUpdate]:
+        request = GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            token_ids=tuple(episode.token_ids),
+            params=params,
+            episode_id=episode.id,
+            group_id=episode.group_id,
+            cache_salt=f"{episode.model}@{turn.policy_version}",
+        )
+        load = len(request.token_ids) + params.max_tokens
+        self.router.begin(episode.replica, load)
+        last: TokenChunk | None = None
+        stream = engine.generate(request)
+        try:
+            async with asyncio.timeout(req.deadline_s):
+                async for chunk in stream:
+                    last = chunk
+                    if chunk.token_ids:
+                        if turn.ttft_ms == 0.0:
+                            turn.ttft_ms = (time.perf_counter() - turn.started) * 1e3
+                        origins = chunk.origins_or_sampled()
+                        episode.append(chunk.token_ids, chunk.logprobs, origins, chunk.policy_version)
+                        turn.end = len(episode.token_ids)
+                        turn.policy_version = chunk.policy_version
+                    if chunk.finish_reason is None:
+                        yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled())
+                    else:
+                        self._close(turn, chunk.finish_reason, chunk.usage)
+                        yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled(), turn)
+                        return
+            raise EngineError(f"engine {engine.info.replica!r} ended the stream without a finish reason")
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the turn did not finish before its deadline; {turn.end - turn.generation_start} partial "
+                "tokens are kept in the episode"
+            ) from None
+        finally:
+            self.router.end(episode.replica, load)
+            if turn.finish_reason is None:  # cancelled, timed out or failed: keep what we have
+                self._close(turn, FinishReason.ABORT, last.usage if last else None)
+                await asyncio.shield(engine.abort(request.request_id))
+            await stream.aclose()
+
+    def _close(self, turn: Turn, finish: FinishReason, usage: Usage | None) -> None:
+        turn.finish_reason = finish
+        turn.usage = usage or Usage(prompt_tokens=turn.generation_start, generated_tokens=turn.end - turn.generation_start)
+        turn.latency_ms = (time.perf_counter() - turn.started) * 1e3
+
+    async def end_episode(self, req: EndRequest) -> EndResult:
+        episode = self.store.get(req.episode_id, req.tenant)
+        if episode.busy:
+            raise EpisodeBusy(f"episode {episode.id!r} has a Step in progress; end it after the Step finishes")
+        for i, r in enumerate(req.rewards):
+            if not math.isfinite(r):
+                raise InvalidArgument(f"rewards[{i}] = {r} is not a finite number")
+        if req.turn_rewards:
+            if len(req.turn_rewards) != len(episode.turns):
+                raise InvalidArgument(
+                    f"turn_rewards has {len(req.turn_rewards)} entries but the episode has {len(episode.turns)} turns"
+                )
+            for i, r in enumerate(req.turn_rewards):
+                if not math.isfinite(r):
+                    raise InvalidArgument(f"turn_rewards[{i}] = {r} is not a finite number")
+        self.store.pop(episode.id, req.tenant)
+        self.router.detach(episode.replica, episode.group_id)
+        await self.engines[episode.replica].release(episode.id)
+        duration = (time.perf_counter() - episode.created) * 1e3
+        return EndResult(episode, req.rewards, req.turn_rewards, duration)
+
+    async def update_weights(self, checkpoint_path: str, policy_version: int, keep_kv: bool, model: str = "") -> int:
+        self._check_model(model)
+        current = self.policy_version
+        version = policy_version or current + 1
+        if version <= current:
+            raise InvalidArgument(f"policy_version {version} must be greater than the current version {current}")
+        if not self.info.supports_weight_updates:
+            raise Unimplemented(f"engine {self.info.engine!r} cannot load new weights at run time")
+        update = WeightUpdate(checkpoint_path=checkpoint_path, policy_version=version, keep_kv=keep_kv)
+        for engine in self.engines:
+            await engine.update_weights(update)
+        return version

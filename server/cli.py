@@ -1,0 +1,67 @@
+"""``primerl``: the command line (``primerl serve ...``; ``python -m server`` is the same)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from engines.config import EngineType
+from server.config import load_settings
+
+
+def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """CLI flags as nested settings overrides (only the flags given)."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def put(section: str, key: str, value: Any) -> None:
+        if value is not None:
+            out.setdefault(section, {})[key] = value
+
+    put("engine", "type", args.engine)
+    put("engine", "urls", [u for arg in args.engine_url for u in arg.split(",") if u] if args.engine_url else None)
+    put("engine", "model", args.model)
+    put("server", "host", args.host)
+    put("server", "port", args.port)
+    put("metrics", "port", args.metrics_port)
+    put("redis", "url", args.redis_url)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="primerl", description="PrimeRL-ServeKit: RL inference bridge.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gRPC bridge")
+    serve.add_argument("--config", metavar="FILE", help="TOML settings file")
+    serve.add_argument("--engine", choices=EngineType.__args__, help="engine implementation")  # type: ignore[attr-defined]
+    serve.add_argument("--engine-url", action="append", metavar="URL", help="engine replica URL (repeat or comma-separate)")
+    serve.add_argument("--model", help="model name (or local model directory for the embedded engine)")
+    serve.add_argument("--host", help="interface to bind")
+    serve.add_argument("--port", type=int, help="gRPC port (0 = any free port)")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = off)")
+    serve.add_argument("--redis-url", help="redis:// URL of the shared index")
+    serve.add_argument("--log-level", default="INFO", help="logging level")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        try:
+            settings = load_settings(args.config, **_serve_overrides(args))
+        except (ValidationError, FileNotFoundError) as exc:
+            print(f"primerl: invalid configuration:\n{exc}", file=sys.stderr)
+            return 2
+        from server.app import serve
+
+        asyncio.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

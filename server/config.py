@@ -1,0 +1,111 @@
+"""The one settings root of the bridge.
+
+Precedence (lowest first): field defaults < TOML file (``--config FILE``) < environment
+(``PRIMERL_*``, ``__`` nests: ``PRIMERL_ENGINE__TYPE=toy``) < CLI flags. Each package owns
+its section's model (``engines.config.EngineConfig`` ...); components receive their section,
+never the root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from engines.config import EngineConfig
+
+
+class ServerConfig(BaseModel):
+    """The gRPC listener and its lifecycle."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Interface to bind; use 0.0.0.0 or [::] to accept remote trainers.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free port.")
+    grace_period_s: float = Field(
+        30.0, ge=0, le=3600, description="On shutdown, how long in-flight Steps may finish before being cancelled."
+    )
+    max_message_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent (trajectories can be large)."
+    )
+
+
+class AdmissionConfig(BaseModel):
+    """Limits enforced before any work is accepted (RESOURCE_EXHAUSTED beyond them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_episodes: int = Field(10_000, ge=1, description="Open episodes per bridge.")
+    max_tokens_per_episode: int = Field(
+        32_768, ge=2, description="Tokens per episode (prompt + observations + samples); generation stops there."
+    )
+    max_group_size: int = Field(256, ge=1, description="Largest GRPO group one StartEpisode may open.")
+    max_tokens_per_turn: int = Field(8192, ge=1, description="Upper bound on sampling.max_tokens.")
+
+
+class SamplingDefaults(BaseModel):
+    """Sampling parameters used where neither the episode nor the turn sets them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0, description="Softmax temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass; 1 disables it.")
+    top_k: int = Field(0, ge=0, description="Top-k cut; 0 disables it.")
+    max_tokens: int = Field(256, ge=1, description="Tokens sampled per turn at most.")
+
+
+class MetricsConfig(BaseModel):
+    """Prometheus endpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    port: int = Field(9300, ge=0, le=65535, description="Port of /metrics; 0 disables the endpoint.")
+
+
+class RedisConfig(BaseModel):
+    """Shared state (prefix-cache index, episode persistence)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field("", description="redis:// URL; empty keeps all state in process.")
+
+
+class Settings(BaseSettings):
+    """Root of the bridge configuration (see module docstring for precedence)."""
+
+    model_config = SettingsConfigDict(env_prefix="PRIMERL_", env_nested_delimiter="__", extra="forbid")
+
+    server: ServerConfig = Field(default_factory=ServerConfig, description="gRPC listener.")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission limits.")
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="Default sampling.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics.")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # First source wins: CLI (passed as init kwargs) > environment > TOML file.
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings from a TOML file, the environment and explicit (CLI) overrides.
+
+    ``overrides`` are nested dicts by section, e.g. ``engine={"type": "toy"}``.
+    """
+    if config_file is not None and not Path(config_file).is_file():
+        raise FileNotFoundError(f"config file {config_file} does not exist")
+
+    class _FromFile(Settings):
+        model_config = SettingsConfigDict(toml_file=config_file)
+
+    return Settings.model_validate(_FromFile(**overrides).model_dump())

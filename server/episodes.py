@@ -1,0 +1,118 @@
+"""Episode state and the in-process episode store.
+
+Invariants:
+- an episode's arrays (token ids, logprobs, origins, versions) always have equal length and
+  hold exactly the ids its engine saw, in order; tokens are appended as they stream, so a
+  cancelled or failed turn keeps its partial tokens;
+- at most one Step runs per episode (``busy``); a second one is refused, not queued;
+- episode ids are unguessable (128 random bits).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from engines.types import FinishReason, Origin, SamplingParams, Usage
+from server.errors import NotFound, PermissionDenied, ResourceExhausted
+
+NAN = math.nan
+
+
+@dataclass(slots=True)
+class Turn:
+    """Boundaries and outcome of one turn (indices into the episode's arrays)."""
+
+    index: int
+    observation_start: int
+    generation_start: int
+    end: int
+    policy_version: int
+    finish_reason: FinishReason | None = None
+    usage: Usage = field(default_factory=Usage)
+    started: float = field(default_factory=time.perf_counter)
+    latency_ms: float = 0.0
+    ttft_ms: float = 0.0
+
+
+@dataclass(eq=False, slots=True)
+class Episode:
+    id: str
+    tenant: str
+    model: str
+    group_id: str
+    group_index: int
+    replica: int
+    sampling: SamplingParams
+    metadata: dict[str, str]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    origins: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    prompt_length: int = 0
+    turns: list[Turn] = field(default_factory=list)
+    created: float = field(default_factory=time.perf_counter)
+    busy: bool = False
+
+    def append(self, ids: Iterable[int], logprobs: Iterable[float], origins: Iterable[int], version: int) -> int:
+        """Append tokens with their metadata; returns how many were appended."""
+        before = len(self.token_ids)
+        self.token_ids.extend(ids)
+        self.logprobs.extend(logprobs)
+        self.origins.extend(origins)
+        n = len(self.token_ids) - before
+        self.versions.extend([version] * n)
+        return n
+
+    def append_unsampled(self, ids: list[int], origin: Origin, version: int) -> None:
+        """Append prompt or environment tokens (logprob NaN, never trained on)."""
+        self.append(ids, [NAN] * len(ids), [int(origin)] * len(ids), version)
+
+    @property
+    def loss_mask(self) -> list[bool]:
+        return [Origin(o).policy_sampled for o in self.origins]
+
+
+class EpisodeStore:
+    """Open episodes by id, with the admission limit on how many may be open."""
+
+    def __init__(self, max_episodes: int) -> None:
+        self.max_episodes = max_episodes
+        self._episodes: dict[str, Episode] = {}
+
+    def __len__(self) -> int:
+        return len(self._episodes)
+
+    def __iter__(self) -> Iterator[Episode]:
+        return iter(list(self._episodes.values()))
+
+    @staticmethod
+    def new_id() -> str:
+        return "ep-" + secrets.token_hex(16)
+
+    def admit(self, count: int) -> None:
+        """Raise ResourceExhausted unless ``count`` more episodes fit."""
+        if len(self._episodes) + count > self.max_episodes:
+            raise ResourceExhausted(
+                f"{count} new episode(s) would exceed the limit of {self.max_episodes} open episodes "
+                f"({len(self._episodes)} open); end finished episodes or raise admission.max_episodes"
+            )
+
+    def add(self, episode: Episode) -> None:
+        self._episodes[episode.id] = episode
+
+    def get(self, episode_id: str, tenant: str) -> Episode:
+        episode = self._episodes.get(episode_id)
+        if episode is None:
+            raise NotFound(f"episode {episode_id!r} does not exist or has already ended")
+        if episode.tenant != tenant:
+            raise PermissionDenied(f"episode {episode_id!r} belongs to another tenant")
+        return episode
+
+    def pop(self, episode_id: str, tenant: str) -> Episode:
+        episode = self.get(episode_id, tenant)
+        del self._episodes[episode_id]
+        return episode

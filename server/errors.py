@@ -1,0 +1,95 @@
+"""The bridge's one error hierarchy, and its mapping to gRPC status codes.
+
+Every error a user can cause or observe is one of these. Each class names its gRPC status
+code once (``code``); ``server.status`` turns any exception into a status, so the mapping
+lives in exactly this module. The module is pure Python (no grpc import) so that engines,
+cache and placement can raise these errors without depending on the RPC layer.
+
+::
+
+    PrimeRLError                      INTERNAL (a bug; never raised for bad input)
+    ├── InvalidArgument               INVALID_ARGUMENT  bad field values, unknown model
+    │   └── TokenOutOfVocabulary      INVALID_ARGUMENT  id < 0 or >= vocab size
+    ├── NotFound                      NOT_FOUND         unknown / already-ended episode
+    ├── FailedPrecondition            FAILED_PRECONDITION
+    │   └── EpisodeBusy               FAILED_PRECONDITION  a Step is already running
+    ├── ResourceExhausted             RESOURCE_EXHAUSTED  admission limits
+    ├── PermissionDenied              PERMISSION_DENIED   another tenant's episode
+    ├── Unauthenticated               UNAUTHENTICATED
+    ├── Unimplemented                 UNIMPLEMENTED     e.g. engine cannot reload weights
+    ├── DeadlineExceeded              DEADLINE_EXCEEDED
+    ├── Aborted                       ABORTED           turn cancelled / engine aborted it
+    └── EngineError                   UNAVAILABLE       engine unreachable or failing
+        ├── EngineUnavailable         UNAVAILABLE
+        └── EngineProtocolError       UNAVAILABLE       malformed engine response
+"""
+
+from __future__ import annotations
+
+
+class PrimeRLError(Exception):
+    """Base of every error the bridge raises on purpose."""
+
+    code: str = "INTERNAL"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(PrimeRLError):
+    code = "INVALID_ARGUMENT"
+
+
+class TokenOutOfVocabulary(InvalidArgument):
+    pass
+
+
+class NotFound(PrimeRLError):
+    code = "NOT_FOUND"
+
+
+class FailedPrecondition(PrimeRLError):
+    code = "FAILED_PRECONDITION"
+
+
+class EpisodeBusy(FailedPrecondition):
+    pass
+
+
+class ResourceExhausted(PrimeRLError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class PermissionDenied(PrimeRLError):
+    code = "PERMISSION_DENIED"
+
+
+class Unauthenticated(PrimeRLError):
+    code = "UNAUTHENTICATED"
+
+
+class Unimplemented(PrimeRLError):
+    code = "UNIMPLEMENTED"
+
+
+class DeadlineExceeded(PrimeRLError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class Aborted(PrimeRLError):
+    code = "ABORTED"
+
+
+class EngineError(PrimeRLError):
+    """The engine failed; the request may succeed on another replica or later."""
+
+    code = "UNAVAILABLE"
+
+
+class EngineUnavailable(EngineError):
+    pass
+
+
+class EngineProtocolError(EngineError):
+    """The engine answered something that does not follow its documented wire format."""

@@ -1,0 +1,235 @@
+"""gRPC servicer: protobuf <-> typed bridge calls, and errors -> gRPC status.
+
+This is the only place (with ``rl_client``) where protobuf meets the bridge. Every handler
+runs under ``_status_for``: a ``PrimeRLError`` becomes its own status code with its message;
+anything else is a bug, logged with its traceback and reported as INTERNAL without detail.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from engines.types import Message
+from proto.primerl.v1 import primerl_pb2 as pb
+from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
+from server.bridge import Bridge, EndRequest, SamplingOverrides, StartRequest, StepRequest, StepUpdate
+from server.episodes import Turn
+from server.errors import PrimeRLError
+
+log = logging.getLogger("primerl.server")
+
+SERVER_VERSION = "0.1.0"
+ACCEPTED_METADATA = (("primerl-accepted", "1"),)
+
+
+def _status_code(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, PrimeRLError):
+        return grpc.StatusCode[exc.code]
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, PrimeRLError):
+        await context.abort(_status_code(exc), exc.message)
+    log.exception("internal error in %s", type(exc).__name__)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error in the bridge; see the server log")
+
+
+def _overrides(p: pb.SamplingParams) -> SamplingOverrides:
+    return SamplingOverrides(
+        temperature=p.temperature if p.HasField("temperature") else None,
+        top_p=p.top_p if p.HasField("top_p") else None,
+        top_k=p.top_k if p.HasField("top_k") else None,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+        stop_token_ids=tuple(p.stop_token_ids) if p.stop_token_ids else None,
+        seed=p.seed if p.HasField("seed") else None,
+        ignore_eos=p.ignore_eos if p.HasField("ignore_eos") else None,
+    )
+
+
+def _messages(m: pb.Messages) -> tuple[Message, ...]:
+    return tuple(Message(role=x.role, content=x.content, name=x.name) for x in m.messages)
+
+
+def _usage(turn: Turn) -> pb.Usage:
+    u = turn.usage
+    return pb.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, generated_tokens=u.generated_tokens)
+
+
+class PrimeRLService(pb_grpc.PrimeRLServicer):
+    def __init__(self, bridge: Bridge) -> None:
+        self.bridge = bridge
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        return ""
+
+    def _decode(self, ids: list[int] | tuple[int, ...]) -> str:
+        tok = self.bridge.tokenizer
+        return tok.decode(ids) if tok is not None and ids else ""
+
+    async def StartEpisode(self, request: pb.StartEpisodeRequest, context: grpc.aio.ServicerContext) -> pb.StartEpisodeResponse:
+        try:
+            kind = request.WhichOneof("prompt")
+            result = await self.bridge.start_episode(
+                StartRequest(
+                    model=request.model,
+                    prompt_ids=tuple(request.prompt_token_ids.ids) if kind == "prompt_token_ids" else None,
+                    prompt_messages=_messages(request.prompt_messages) if kind == "prompt_messages" else None,
+                    tool_schemas=tuple(request.tool_schemas_json),
+                    sampling=_overrides(request.sampling),
+                    group_size=request.group_size or 1,
+                    group_id=request.group_id,
+                    metadata=dict(request.metadata),
+                    tenant=self._tenant(context),
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            await _abort(context, exc)
+            raise
+        return pb.StartEpisodeResponse(
+            episode_ids=result.episode_ids,
+            group_id=result.group_id,
+            policy_version=result.policy_version,
+            placement=pb.Placement(engine=result.engine, replica=result.replica),
+            prompt_tokens=result.prompt_tokens,
+        )
+
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepChunk]:
+        kind = request.WhichOneof("observation")
+        req = StepRequest(
+            episode_id=request.episode_id,
+            observation_ids=tuple(request.observation_token_ids.ids) if kind == "observation_token_ids" else None,
+            observation_messages=_messages(request.observation_messages) if kind == "observation_messages" else None,
+            sampling=_overrides(request.sampling),
+            tenant=self._tenant(context),
+            deadline_s=context.time_remaining(),
+        )
+        ids: list[int] = []
+        logprobs: list[float] = []
+        origins: list[int] = []
+        try:
+            updates = self.bridge.step(req)
+            await anext(updates)  # validated and recorded: tell the client the call was accepted
+            await context.send_initial_metadata(ACCEPTED_METADATA)
+            async for u in updates:
+                ids.extend(u.token_ids)
+                if request.stream:
+                    yield self._chunk(u.token_ids, u.logprobs, u.origins, u, ids)
+                    continue
+                logprobs.extend(u.logprobs)
+                origins.extend(u.origins)
+                if u.turn is not None:
+                    yield self._chunk(ids, logprobs, origins, u, ids)
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            await _abort(context, exc)
+            raise
+
+    def _chunk(
+        self, ids: Sequence[int], logprobs: Sequence[float], origins: Sequence[int], u: StepUpdate, turn_ids: list[int]
+    ) -> pb.StepChunk:
+        """One StepChunk; ``turn_ids`` are all tokens of the turn so far (for the final text)."""
+        chunk = pb.StepChunk(token_ids=ids, logprobs=logprobs, origins=origins)  # type: ignore[arg-type]
+        if ids and u.turn is None:
+            chunk.text = self._decode(ids)
+        if u.turn is not None:
+            t = u.turn
+            chunk.done.CopyFrom(
+                pb.TurnDone(
+                    finish_reason=int(t.finish_reason or 0),  # type: ignore[arg-type]
+                    usage=_usage(t),
+                    policy_version=t.policy_version,
+                    turn_index=t.index,
+                    text=self._decode(turn_ids),
+                )
+            )
+        return chunk
+
+    async def EndEpisode(self, request: pb.EndEpisodeRequest, context: grpc.aio.ServicerContext) -> pb.EndEpisodeResponse:
+        try:
+            result = await self.bridge.end_episode(
+                EndRequest(
+                    episode_id=request.episode_id,
+                    rewards=tuple(request.rewards),
+                    turn_rewards=tuple(request.turn_rewards),
+                    discard=request.discard,
+                    tenant=self._tenant(context),
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            await _abort(context, exc)
+            raise
+        if request.discard:
+            return pb.EndEpisodeResponse()
+        ep = result.episode
+        traj = pb.Trajectory(
+            episode_id=ep.id,
+            group_id=ep.group_id,
+            model=ep.model,
+            token_ids=ep.token_ids,
+            logprobs=ep.logprobs,
+            loss_mask=ep.loss_mask,
+            origins=ep.origins,  # type: ignore[arg-type]
+            policy_versions=ep.versions,
+            prompt_length=ep.prompt_length,
+            rewards=result.rewards,
+            turn_rewards=result.turn_rewards,
+            metadata=ep.metadata,
+            duration_ms=result.duration_ms,
+            group_index=ep.group_index,
+        )
+        for t in ep.turns:
+            traj.turns.add(
+                observation_start=t.observation_start,
+                generation_start=t.generation_start,
+                end=t.end,
+                finish_reason=int(t.finish_reason or 0),  # type: ignore[arg-type]
+                usage=_usage(t),
+                policy_version=t.policy_version,
+                latency_ms=t.latency_ms,
+                ttft_ms=t.ttft_ms,
+            )
+        return pb.EndEpisodeResponse(trajectory=traj)
+
+    async def UpdateWeights(
+        self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        try:
+            version = await self.bridge.update_weights(
+                request.checkpoint_path, request.policy_version, request.keep_kv, request.model
+            )
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            await _abort(context, exc)
+            raise
+        log.info("weights updated to policy version %d from %r", version, request.checkpoint_path)
+        return pb.UpdateWeightsResponse(policy_version=version, replicas_updated=len(self.bridge.engines))
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
+        b = self.bridge
+        a = b.admission
+        return pb.ServerInfo(
+            server_version=SERVER_VERSION,
+            models=[
+                pb.ModelInfo(
+                    name=b.info.model,
+                    engine=b.info.engine,
+                    vocab_size=b.info.vocab_size,
+                    max_model_len=b.info.max_model_len,
+                    policy_version=b.policy_version,
+                    supports_weight_updates=b.info.supports_weight_updates,
+                    replicas=[e.info.replica for e in b.engines],
+                    eos_token_ids=b.info.eos_token_ids,
+                    has_tokenizer=b.tokenizer is not None,
+                )
+            ],
+            limits=pb.Limits(
+                max_episodes=a.max_episodes,
+                max_tokens_per_episode=a.max_tokens_per_episode,
+                max_group_size=a.max_group_size,
+                max_tokens_per_turn=a.max_tokens_per_turn,
+            ),
+            open_episodes=len(b.store),
+        )

@@ -1,0 +1,39 @@
+"""Shared fixtures: real bridge servers on free ports, real clients."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import pytest
+
+from rl_client import AsyncBridgeClient
+from server.app import BridgeServer, create_server
+from server.config import load_settings
+
+StartBridge = Callable[..., Awaitable[tuple[BridgeServer, AsyncBridgeClient]]]
+
+
+@pytest.fixture
+async def start_bridge() -> AsyncIterator[StartBridge]:
+    """Start a real gRPC bridge on a free port with settings overrides; returns (server, client)."""
+    async with AsyncExitStack() as stack:
+
+        async def start(**overrides: Any) -> tuple[BridgeServer, AsyncBridgeClient]:
+            overrides.setdefault("server", {}).setdefault("port", 0)
+            overrides["server"].setdefault("grace_period_s", 1.0)
+            server = await create_server(load_settings(**overrides))
+            await server.start()
+            stack.push_async_callback(server.stop, 0.5)
+            client = AsyncBridgeClient(f"127.0.0.1:{server.port}", timeout=30)
+            stack.push_async_callback(client.close)
+            return server, client
+
+        yield start
+
+
+@pytest.fixture
+async def bridge(start_bridge: StartBridge) -> tuple[BridgeServer, AsyncBridgeClient]:
+    """A toy-engine bridge with default settings."""
+    return await start_bridge()
