@@ -6,7 +6,7 @@ Engines never see protobuf, and never re-tokenize the history they are given.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol, runtime_checkable
 
 from engines.types import EngineCounters, EngineHealth, EngineInfo, GenerateRequest, Message, TokenChunk, WeightUpdate
@@ -37,14 +37,21 @@ class Tokenizer(Protocol):
 class Engine(Protocol):
     """An inference engine replica (in-process or remote)."""
 
-    info: EngineInfo
-    tokenizer: Tokenizer | None
-    counters: EngineCounters
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    @property
+    def counters(self) -> EngineCounters:
+        """Prefill/cached/generated token counters (read by tests, metrics and benchmarks)."""
+        ...
 
     @property
     def policy_version(self) -> int: ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """Stream the continuation of ``request.token_ids``.
 
         Cancelling the consumer (or calling ``abort``) stops work at the next token. The

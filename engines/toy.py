@@ -14,7 +14,7 @@ distribution it was drawn from (``engines.sampling``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import numpy as np
 
@@ -35,24 +35,25 @@ from engines.types import (
 SPECIALS = ("<pad>", "<bos>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<unk>")
 PAD, BOS, END, SYSTEM, USER, ASSISTANT, TOOL, UNK = range(len(SPECIALS))
 ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
-_WORDS = (
-    "the a of to and in is it that for on with as was at by this be from or have an are not but what all "
-    "were when we there can which their one said if do will each about how up out them then she many some so "
-    "these would other into has more her two like him see time could no make than first been its who now "
-    "people my made over did down only way find use may water long little very after words called just where "
-    "most know get through back much before go good new write our used me man too any day same right look "
-    "think also around another came come work three word must because does part even place well such here "
-    "take why things help put years different away again off went old number great tell men say small every "
-    "found still between name should home big give air line set own under read last never us left end along "
-    "while might next sound below saw something thought both few those always looked show large often together "
-    "asked house world going want school important until form food keep children feet land side without boy "
-    "once animals life enough took sometimes four head above kind began almost live page got earth need far "
-    "hand high year mother light parts country father let night following picture being study second eyes "
-    "soon times story boys since white days ever paper hard near sentence better best across during today "
-    "others however sure means knew try told young miles sun ways thing whole hear example heard several "
-    "change answer room sea against top turned learn point city play toward five using himself usually "
-    "zero six seven eight nine ten plus minus equals tool call result query error done yes"
-).split()
+_WORDS = """
+the a of to and in is it that for on with as was at by this be from or have an are not but what all
+were when we there can which their one said if do will each about how up out them then she many some
+so these would other into has more her two like him see time could no make than first been its who
+now people my made over did down only way find use may water long little very after words called
+just where most know get through back much before go good new write our used me man too any day same
+right look think also around another came come work three word must because does part even place
+well such here take why things help put years different away again off went old number great tell
+men say small every found still between name should home big give air line set own under read last
+never us left end along while might next sound below saw something thought both few those always
+looked show large often together asked house world going want school important until form food keep
+children feet land side without boy once animals life enough took sometimes four head above kind
+began almost live page got earth need far hand high year mother light parts country father let night
+following picture being study second eyes soon times story boys since white days ever paper hard
+near sentence better best across during today others however sure means knew try told young miles
+sun ways thing whole hear example heard several change answer room sea against top turned learn
+point city play toward five using himself usually zero six seven eight nine ten plus minus equals
+tool call result query error done yes
+""".split()  # noqa: SIM905 - a word list reads better as text
 
 
 class ToyTokenizer:
@@ -124,7 +125,7 @@ class ToyEngine:
         prev = history[-2] if len(history) > 1 else BOS
         return self._bigram[last] + self._trigram[(prev * 31 + last) % 997]
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         params = request.params
         rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
         stops = set(params.stop_token_ids)

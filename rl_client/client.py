@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -195,7 +195,7 @@ class AsyncBridgeClient:
             metadata=dict(metadata or {}),
         )
         if _is_token_ids(prompt):
-            req.prompt_token_ids.ids.extend(int(x) for x in prompt)  # type: ignore[union-attr]
+            req.prompt_token_ids.ids.extend(int(x) for x in prompt)  # type: ignore[arg-type]
         else:
             req.prompt_messages.CopyFrom(_messages(prompt))  # type: ignore[arg-type]
         resp = await self._call(self._stub.StartEpisode, req, timeout)
@@ -215,7 +215,7 @@ class AsyncBridgeClient:
         req = pb.StepRequest(episode_id=episode_id, sampling=_sampling(sampling), stream=stream)
         if observation:
             if _is_token_ids(observation):
-                req.observation_token_ids.ids.extend(int(x) for x in observation)  # type: ignore[union-attr]
+                req.observation_token_ids.ids.extend(int(x) for x in observation)  # type: ignore[arg-type]
             else:
                 req.observation_messages.CopyFrom(_messages(observation))  # type: ignore[arg-type]
         return req
@@ -227,7 +227,7 @@ class AsyncBridgeClient:
         *,
         sampling: Sampling | Mapping[str, Any] | None = None,
         timeout: float | None = None,
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """Run one turn, yielding chunks as tokens are sampled (the last has ``done``)."""
         req = self._step_request(episode_id, observation, sampling, stream=True)
         call = self._stub.Step(req, timeout=timeout or self.timeout, metadata=self._metadata)
@@ -296,6 +296,30 @@ class AsyncBridgeClient:
         resp = await self._call(self._stub.UpdateWeights, req, None)
         return resp.policy_version
 
+    async def wait_until_ready(self, timeout: float = 120.0) -> None:
+        """Block until the bridge reports SERVING on the gRPC health service (engines loaded)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                resp = await stub.Check(
+                    health_pb2.HealthCheckRequest(service="primerl.v1.PrimeRL"),
+                    timeout=max(0.1, left),
+                    wait_for_ready=True,
+                    metadata=self._metadata,
+                )
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise from_rpc_error(err) from None
+            if left <= 0:
+                raise BridgeError(grpc.StatusCode.DEADLINE_EXCEEDED, f"bridge not SERVING after {timeout:.0f} s")
+            await asyncio.sleep(min(0.5, max(0.0, left)))
+
     async def server_info(self) -> pb.ServerInfo:
         return await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), 30.0)
 
@@ -306,7 +330,7 @@ class AsyncBridgeClient:
                 await self.discard_episode(episode_id, timeout=5.0)
             except BridgeError:
                 self.open_episodes.discard(episode_id)
-        await self._channel.close()
+        await self._channel.close(None)
 
 
 async def run_episodes(
@@ -405,6 +429,9 @@ class BridgeClient:
 
     def server_info(self) -> pb.ServerInfo:
         return self._run(self._client.server_info())
+
+    def wait_until_ready(self, timeout: float = 120.0) -> None:
+        self._run(self._client.wait_until_ready(timeout))
 
     def run_episodes(
         self,

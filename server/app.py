@@ -66,7 +66,7 @@ async def create_server(settings: Settings, engines: Sequence[Engine] | None = N
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     )
-    pb_grpc.add_PrimeRLServicer_to_server(PrimeRLService(bridge), server)
+    pb_grpc.add_PrimeRLServicer_to_server(PrimeRLService(bridge, settings.server.stream_interval_ms), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
@@ -81,8 +81,13 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
     bridge_server = await create_server(settings)
     await bridge_server.start()
     info = bridge_server.bridge.info
-    log.info("PrimeRL bridge serving %s (%s engine, %d replica(s)) on %s", info.model, info.engine,
-             len(bridge_server.bridge.engines), bridge_server.address)
+    log.info(
+        "PrimeRL bridge serving %s (%s engine, %d replica(s)) on %s",
+        info.model,
+        info.engine,
+        len(bridge_server.bridge.engines),
+        bridge_server.address,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -320,7 +320,9 @@ class Bridge:
 
     def _close(self, turn: Turn, finish: FinishReason, usage: Usage | None) -> None:
         turn.finish_reason = finish
-        turn.usage = usage or Usage(prompt_tokens=turn.generation_start, generated_tokens=turn.end - turn.generation_start)
+        turn.usage = usage or Usage(
+            prompt_tokens=turn.generation_start, generated_tokens=turn.end - turn.generation_start
+        )
         turn.latency_ms = (time.perf_counter() - turn.started) * 1e3
 
     async def end_episode(self, req: EndRequest) -> EndResult:

@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the gRPC bridge")
     serve.add_argument("--config", metavar="FILE", help="TOML settings file")
     serve.add_argument("--engine", choices=EngineType.__args__, help="engine implementation")  # type: ignore[attr-defined]
-    serve.add_argument("--engine-url", action="append", metavar="URL", help="engine replica URL (repeat or comma-separate)")
+    serve.add_argument(
+        "--engine-url", action="append", metavar="URL", help="engine replica URL (repeat or comma-separate)"
+    )
     serve.add_argument("--model", help="model name (or local model directory for the embedded engine)")
     serve.add_argument("--host", help="interface to bind")
     serve.add_argument("--port", type=int, help="gRPC port (0 = any free port)")

@@ -27,6 +27,13 @@ class ServerConfig(BaseModel):
     grace_period_s: float = Field(
         30.0, ge=0, le=3600, description="On shutdown, how long in-flight Steps may finish before being cancelled."
     )
+    stream_interval_ms: float = Field(
+        2.0,
+        ge=0,
+        le=1000,
+        description="Streamed Steps send the first token at once, then coalesce tokens that arrive within this "
+        "interval into one chunk (0 = one chunk per engine chunk).",
+    )
     max_message_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent (trajectories can be large)."
     )

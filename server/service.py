@@ -8,7 +8,7 @@ anything else is a bug, logged with its traceback and reported as INTERNAL witho
 from __future__ import annotations
 
 import logging
-import math
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -16,7 +16,7 @@ import grpc
 from engines.types import Message
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
-from server.bridge import Bridge, EndRequest, SamplingOverrides, StartRequest, StepRequest, StepUpdate
+from server.bridge import Bridge, EndRequest, SamplingOverrides, StartRequest, StepRequest
 from server.episodes import Turn
 from server.errors import PrimeRLError
 
@@ -61,17 +61,20 @@ def _usage(turn: Turn) -> pb.Usage:
 
 
 class PrimeRLService(pb_grpc.PrimeRLServicer):
-    def __init__(self, bridge: Bridge) -> None:
+    def __init__(self, bridge: Bridge, stream_interval_ms: float = 0.0) -> None:
         self.bridge = bridge
+        self.stream_interval_s = stream_interval_ms / 1e3
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         return ""
 
-    def _decode(self, ids: list[int] | tuple[int, ...]) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         tok = self.bridge.tokenizer
         return tok.decode(ids) if tok is not None and ids else ""
 
-    async def StartEpisode(self, request: pb.StartEpisodeRequest, context: grpc.aio.ServicerContext) -> pb.StartEpisodeResponse:
+    async def StartEpisode(
+        self, request: pb.StartEpisodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StartEpisodeResponse:
         try:
             kind = request.WhichOneof("prompt")
             result = await self.bridge.start_episode(
@@ -87,7 +90,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                     tenant=self._tenant(context),
                 )
             )
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+        except Exception as exc:
             await _abort(context, exc)
             raise
         return pb.StartEpisodeResponse(
@@ -108,35 +111,48 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             tenant=self._tenant(context),
             deadline_s=context.time_remaining(),
         )
-        ids: list[int] = []
+        ids: list[int] = []  # every token of the turn so far
+        pending = 0  # how many of them are not sent yet
         logprobs: list[float] = []
         origins: list[int] = []
+        last_sent = 0.0
         try:
             updates = self.bridge.step(req)
             await anext(updates)  # validated and recorded: tell the client the call was accepted
             await context.send_initial_metadata(ACCEPTED_METADATA)
             async for u in updates:
                 ids.extend(u.token_ids)
-                if request.stream:
-                    yield self._chunk(u.token_ids, u.logprobs, u.origins, u, ids)
-                    continue
                 logprobs.extend(u.logprobs)
                 origins.extend(u.origins)
-                if u.turn is not None:
-                    yield self._chunk(ids, logprobs, origins, u, ids)
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+                pending += len(u.token_ids)
+                if u.turn is None:
+                    if not request.stream or not pending:
+                        continue
+                    now = time.perf_counter()
+                    if now - last_sent < self.stream_interval_s:
+                        continue  # coalesce: tokens are arriving faster than chunks are worth sending
+                    last_sent = now
+                start = len(ids) - pending
+                yield self._chunk(ids[start:], logprobs[start:], origins[start:], u.turn, ids)
+                pending = 0
+        except Exception as exc:
             await _abort(context, exc)
             raise
 
     def _chunk(
-        self, ids: Sequence[int], logprobs: Sequence[float], origins: Sequence[int], u: StepUpdate, turn_ids: list[int]
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        origins: Sequence[int],
+        turn: Turn | None,
+        turn_ids: list[int],
     ) -> pb.StepChunk:
-        """One StepChunk; ``turn_ids`` are all tokens of the turn so far (for the final text)."""
+        """One StepChunk; with ``turn`` set it is the last one (``turn_ids``: the turn's tokens, for its text)."""
         chunk = pb.StepChunk(token_ids=ids, logprobs=logprobs, origins=origins)  # type: ignore[arg-type]
-        if ids and u.turn is None:
+        if ids and turn is None:
             chunk.text = self._decode(ids)
-        if u.turn is not None:
-            t = u.turn
+        if turn is not None:
+            t = turn
             chunk.done.CopyFrom(
                 pb.TurnDone(
                     finish_reason=int(t.finish_reason or 0),  # type: ignore[arg-type]
@@ -148,7 +164,9 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             )
         return chunk
 
-    async def EndEpisode(self, request: pb.EndEpisodeRequest, context: grpc.aio.ServicerContext) -> pb.EndEpisodeResponse:
+    async def EndEpisode(
+        self, request: pb.EndEpisodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EndEpisodeResponse:
         try:
             result = await self.bridge.end_episode(
                 EndRequest(
@@ -159,7 +177,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                     tenant=self._tenant(context),
                 )
             )
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+        except Exception as exc:
             await _abort(context, exc)
             raise
         if request.discard:
@@ -186,7 +204,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                 observation_start=t.observation_start,
                 generation_start=t.generation_start,
                 end=t.end,
-                finish_reason=int(t.finish_reason or 0),  # type: ignore[arg-type]
+                finish_reason=int(t.finish_reason or 0),
                 usage=_usage(t),
                 policy_version=t.policy_version,
                 latency_ms=t.latency_ms,
@@ -201,7 +219,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             version = await self.bridge.update_weights(
                 request.checkpoint_path, request.policy_version, request.keep_kv, request.model
             )
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+        except Exception as exc:
             await _abort(context, exc)
             raise
         log.info("weights updated to policy version %d from %r", version, request.checkpoint_path)

@@ -50,22 +50,29 @@ async def test_three_turn_trajectory_is_prompt_then_sampled_and_observations(bri
     assert not server.bridge.store._episodes  # freed
 
 
-async def test_streamed_turn_equals_trajectory_and_unstreamed_turn(bridge: Bridge) -> None:
-    _, client = bridge
-    a = (await client.start_episode(PROMPT, sampling={"seed": 3, "max_tokens": 20})).episode_id
-    b = (await client.start_episode(PROMPT, sampling={"seed": 3, "max_tokens": 20})).episode_id
+@pytest.mark.parametrize(("interval_ms", "coalesced"), [(0.0, False), (1000.0, True)])
+async def test_streamed_turn_equals_unstreamed_turn(start_bridge, interval_ms: float, coalesced: bool) -> None:  # type: ignore[no-untyped-def]
+    _, client = await start_bridge(server={"stream_interval_ms": interval_ms})
+    sampling = {"seed": 3, "max_tokens": 20, "ignore_eos": True}
+    a = (await client.start_episode(PROMPT, sampling=sampling)).episode_id
+    b = (await client.start_episode(PROMPT, sampling=sampling)).episode_id
     chunks = [c async for c in client.stream_step(a)]
     whole = await client.step(b)
     assert chunks[-1].done is not None
     streamed = [t for c in chunks for t in c.token_ids]
     assert streamed == whole.token_ids.tolist() == chunks[-1].done.token_ids.tolist()
+    assert [lp for c in chunks for lp in c.logprobs] == whole.logprobs.tolist()
     assert chunks[-1].done.text == whole.text != ""
-    assert len(chunks) >= len(streamed)  # really streamed, one chunk per token at least
+    assert len(streamed) == 20
+    if coalesced:  # first token at once, the rest held back within the interval and sent with `done`
+        assert [len(c.token_ids) for c in chunks] == [1, 19]
+    else:
+        assert len(chunks) == 21  # one chunk per token, then `done`
 
 
 async def test_chat_messages_are_rendered_append_only(bridge: Bridge) -> None:
     _, client = bridge
-    ep = (await client.start_episode([{"role": "user", "content": "what is the answer"}], sampling={"max_tokens": 5}))
+    ep = await client.start_episode([{"role": "user", "content": "what is the answer"}], sampling={"max_tokens": 5})
     t1 = await client.step(ep.episode_id, sampling={"ignore_eos": True})
     await client.step(ep.episode_id, [{"role": "tool", "content": "result ten"}])
     traj = await client.end_episode(ep.episode_id)
@@ -96,7 +103,7 @@ async def test_same_seed_reproduces_tokens(bridge: Bridge) -> None:
     _, client = bridge
     runs = []
     for seed in (5, 5, 6):
-        ep = (await client.start_episode(PROMPT, sampling={"seed": seed, "max_tokens": 24, "ignore_eos": True}))
+        ep = await client.start_episode(PROMPT, sampling={"seed": seed, "max_tokens": 24, "ignore_eos": True})
         runs.append((await client.step(ep.episode_id)).token_ids.tolist())
         await client.discard_episode(ep.episode_id)
     assert runs[0] == runs[1] != runs[2]

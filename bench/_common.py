@@ -1,0 +1,67 @@
+"""Helpers shared by the benchmarks: machine description, percentiles, RESULTS.md / JSON output."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "RESULTS.md"
+OUT = BENCH / "out"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_bridge(*args: str) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), "--metrics-port", "0", "--log-level", "WARNING"]
+    return subprocess.Popen([*cmd, *args], cwd=BENCH.parent), port
+
+
+def record(name: str, title: str, rows: list[tuple[str, str, str]], figures: dict[str, Any], notes: str = "") -> None:
+    """Print a table, append it to RESULTS.md and write machine-readable JSON to bench/out/."""
+    stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    lines = [f"### {title} — {stamp}", "", f"Machine: {machine()}", "", "| figure | value | target |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    if notes:
+        lines += ["", notes]
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    if not RESULTS.exists():
+        RESULTS.write_text("# Benchmark results\n\nAppended by the scripts in `bench/`; newest last.\n\n")
+    with RESULTS.open("a") as f:
+        f.write(text + "\n")
+    OUT.mkdir(exist_ok=True)
+    payload = {"benchmark": name, "date": stamp, "machine": machine(), "unix_time": time.time(), "figures": figures}
+    (OUT / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")

@@ -1,0 +1,61 @@
+"""Exactness of sampling: reported logprobs are those of the distribution sampled from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from engines.config import ToyConfig
+from engines.sampling import log_softmax, processed_logprobs, sample
+from engines.toy import ToyEngine, ToyTokenizer
+from engines.types import SamplingParams
+
+LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+
+
+def test_temperature_topk_topp_masks() -> None:
+    p = np.exp(processed_logprobs(LOGITS, SamplingParams(temperature=0.5, top_k=3)))
+    assert np.count_nonzero(p) == 3 and p.sum() == pytest.approx(1.0)
+    ref = np.exp(LOGITS[:3] / 0.5) / np.exp(LOGITS[:3] / 0.5).sum()
+    np.testing.assert_allclose(p[:3], ref)
+    raw = np.exp(log_softmax(LOGITS))
+    p = np.exp(processed_logprobs(LOGITS, SamplingParams(top_p=0.8)))
+    keep = int(np.searchsorted(np.cumsum(raw), 0.8)) + 1
+    assert np.count_nonzero(p) == keep
+    np.testing.assert_allclose(p[:keep], raw[:keep] / raw[:keep].sum())
+
+
+def test_greedy_reports_raw_logprob() -> None:
+    token, logprob = sample(LOGITS, SamplingParams(temperature=0), np.random.default_rng(0))
+    assert token == 0 and logprob == pytest.approx(log_softmax(LOGITS)[0])
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=4, top_p=0.9)]
+)
+def test_empirical_distribution_matches_reported_logprobs(params: SamplingParams) -> None:
+    rng = np.random.default_rng(123)
+    n = 20_000
+    counts = np.zeros(LOGITS.shape[0])
+    for _ in range(n):
+        token, _ = sample(LOGITS, params, rng)
+        counts[token] += 1
+    expected = np.exp(processed_logprobs(LOGITS, params)) * n
+    support = expected > 0
+    assert counts[~support].sum() == 0
+    assert stats.chisquare(counts[support], expected[support]).pvalue > 0.01
+
+
+def test_toy_engine_logits_depend_on_context_and_seed() -> None:
+    a, b = ToyEngine(ToyConfig(seed=0)), ToyEngine(ToyConfig(seed=1))
+    assert not np.allclose(a.logits([10, 11]), a.logits([10, 12]))
+    assert not np.allclose(a.logits([10, 11]), a.logits([9, 11]))  # trigram context matters
+    assert not np.allclose(a.logits([10, 11]), b.logits([10, 11]))
+
+
+def test_toy_tokenizer_round_trip() -> None:
+    tok = ToyTokenizer(512)
+    text = "what is the answer"
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.vocab) == 512
