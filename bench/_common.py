@@ -45,7 +45,18 @@ def free_port() -> int:
 
 def start_bridge(*args: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), "--metrics-port", "0", "--log-level", "WARNING"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "serve",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+        "--log-level",
+        "WARNING",
+    ]
     return subprocess.Popen([*cmd, *args], cwd=BENCH.parent), port
 
 

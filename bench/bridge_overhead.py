@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import pct, record, start_bridge  # noqa: E402
-from engines.config import ToyConfig  # noqa: E402
-from engines.toy import ToyEngine  # noqa: E402
-from engines.types import GenerateRequest, SamplingParams  # noqa: E402
-from rl_client import AsyncBridgeClient  # noqa: E402
+from bench._common import pct, record, start_bridge
+from engines.config import ToyConfig
+from engines.toy import ToyEngine
+from engines.types import GenerateRequest, SamplingParams
+from rl_client import AsyncBridgeClient
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5]
 
@@ -108,8 +108,13 @@ async def main(n: int, seconds: float) -> None:
         "steps_per_s_64": steps_per_s,
         "ratio_bridge_over_direct_p50": pct(bridged16, 50) / pct(base16, 50),
     }
-    record("bridge_overhead", "Bridge overhead (toy engine)", rows, figures,
-           notes="Bridge in its own process, client in another, both on this machine's cores.")
+    record(
+        "bridge_overhead",
+        "Bridge overhead (toy engine)",
+        rows,
+        figures,
+        notes="Bridge in its own process, client in another, both on this machine's cores.",
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ def main() -> int:
         with BridgeClient(f"127.0.0.1:{port}") as client:
             client.wait_until_ready(timeout=900)
             info = client.server_info().models[0]
-            print(f"bridge ready in {time.perf_counter() - started:.1f} s: model {info.name!r} on {info.engine}, "
-                  f"vocab {info.vocab_size}, context {info.max_model_len}, policy v{info.policy_version}")
+            print(
+                f"bridge ready in {time.perf_counter() - started:.1f} s: model {info.name!r} on {info.engine}, "
+                f"vocab {info.vocab_size}, context {info.max_model_len}, policy v{info.policy_version}"
+            )
             ep = client.start_episode(
                 [{"role": "user", "content": "What is 2+2?"}],
                 sampling={"temperature": 0.7, "max_tokens": 24, "seed": 1},
@@ -44,15 +46,19 @@ def main() -> int:
             observations = [None, [{"role": "user", "content": "Why?"}], [{"role": "user", "content": "Thanks!"}]]
             for observation in observations:
                 turn = client.step(ep.episode_id, observation)
-                print(f"\n-- turn {turn.turn_index} ({turn.finish_reason}, {turn.usage.generated_tokens} tokens, "
-                      f"{turn.usage.cached_tokens} cached of {turn.usage.prompt_tokens} prompt) --")
+                print(
+                    f"\n-- turn {turn.turn_index} ({turn.finish_reason}, {turn.usage.generated_tokens} tokens, "
+                    f"{turn.usage.cached_tokens} cached of {turn.usage.prompt_tokens} prompt) --"
+                )
                 print(f"text:     {turn.text!r}")
                 print(f"ids:      {turn.token_ids.tolist()}")
                 print(f"logprobs: {[round(float(x), 3) for x in turn.logprobs]}")
             traj = client.end_episode(ep.episode_id, reward=1.0)
             sampled = int(traj.loss_mask.sum())
-            print(f"\ntrajectory: {len(traj)} tokens, {sampled} sampled (loss mask 1), {len(traj.turns)} turns, "
-                  f"mean logprob {float(np.mean(traj.logprobs[traj.loss_mask])):.3f}, reward {traj.reward}")
+            print(
+                f"\ntrajectory: {len(traj)} tokens, {sampled} sampled (loss mask 1), {len(traj.turns)} turns, "
+                f"mean logprob {float(np.mean(traj.logprobs[traj.loss_mask])):.3f}, reward {traj.reward}"
+            )
     finally:
         bridge.send_signal(signal.SIGTERM)
         code = bridge.wait(timeout=60)
