@@ -46,6 +46,16 @@ def processed_logprobs(logits: FloatArray, params: SamplingParams) -> FloatArray
 
 def sample(logits: FloatArray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, float]:
     """Sample one token; return it with its logprob under the sampling distribution."""
+    if params.temperature > 0 and params.top_k == 0 and params.top_p >= 1.0:
+        # Fast path (plain temperature sampling): one exp and one cumsum, same draws and
+        # same distribution as the general path below.
+        shifted = logits / params.temperature if params.temperature != 1.0 else logits
+        weights = np.exp(shifted - shifted.max())
+        cdf = np.cumsum(weights)
+        token = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), cdf.shape[0] - 1)
+        while weights[token] == 0.0:
+            token -= 1
+        return token, float(np.log(weights[token] / cdf[-1]))
     logp = processed_logprobs(logits, params)
     if params.temperature == 0:
         token = int(np.argmax(logp))

@@ -139,6 +139,8 @@ class ToyEngine:
         version = self._version
         finish = FinishReason.LENGTH
         produced = 0
+        ids: list[int] = []
+        logprobs: list[float] = []
         try:
             while produced < budget:
                 if request.request_id in self._aborted:
@@ -148,19 +150,30 @@ class ToyEngine:
                     await asyncio.sleep(self.config.token_delay_s)
                 token, logprob = sample(self.logits(history), params, rng)
                 history.append(token)
+                ids.append(token)
+                logprobs.append(logprob)
                 produced += 1
-                self.counters.forward_passes += 1
-                self.counters.generated_tokens += 1
-                yield TokenChunk((token,), (logprob,), version)
                 if token in stops:
                     finish = FinishReason.STOP
                     break
-                if not self.config.token_delay_s:
-                    await asyncio.sleep(0)  # let other episodes (and cancellation) in
+                if self.config.token_delay_s or produced % self.config.yield_every == 0:
+                    # Emit what we have and let other episodes and cancellation in. Not after
+                    # every token: one event-loop turn costs ~100 us inside a grpc.aio server,
+                    # more than a toy token, so tokens go out in batches as real engines do.
+                    yield self._emit(ids, logprobs, version)
+                    ids, logprobs = [], []
+                    if not self.config.token_delay_s:
+                        await asyncio.sleep(0)
             usage = Usage(prompt_tokens=prompt_len, cached_tokens=0, generated_tokens=produced)
-            yield TokenChunk((), (), version, finish_reason=finish, usage=usage)
+            yield TokenChunk(tuple(ids), tuple(logprobs), version, finish_reason=finish, usage=usage)
         finally:
+            self.counters.generated_tokens += produced
+            self.counters.forward_passes += produced
             self._aborted.discard(request.request_id)
+
+    @staticmethod
+    def _emit(ids: list[int], logprobs: list[float], version: int) -> TokenChunk:
+        return TokenChunk(tuple(ids), tuple(logprobs), version)
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)

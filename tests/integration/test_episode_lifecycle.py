@@ -52,7 +52,8 @@ async def test_three_turn_trajectory_is_prompt_then_sampled_and_observations(bri
 
 @pytest.mark.parametrize(("interval_ms", "coalesced"), [(0.0, False), (1000.0, True)])
 async def test_streamed_turn_equals_unstreamed_turn(start_bridge, interval_ms: float, coalesced: bool) -> None:  # type: ignore[no-untyped-def]
-    _, client = await start_bridge(server={"stream_interval_ms": interval_ms})
+    # The toy emits one chunk per token here, so what is measured is the bridge's coalescing.
+    _, client = await start_bridge(server={"stream_interval_ms": interval_ms}, engine={"toy": {"yield_every": 1}})
     sampling = {"seed": 3, "max_tokens": 20, "ignore_eos": True}
     a = (await client.start_episode(PROMPT, sampling=sampling)).episode_id
     b = (await client.start_episode(PROMPT, sampling=sampling)).episode_id
