@@ -60,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"primerl: invalid configuration:\n{exc}", file=sys.stderr)
             return 2
         from server.app import serve
+        from server.errors import PrimeRLError
 
-        asyncio.run(serve(settings))
+        try:
+            asyncio.run(serve(settings))
+        except (PrimeRLError, OSError) as exc:
+            print(f"primerl: cannot start the bridge: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

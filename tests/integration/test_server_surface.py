@@ -76,3 +76,12 @@ async def test_cli_rejects_bad_config_with_a_clear_message(tmp_path) -> None:  #
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert b"invalid configuration" in err and b"max_episodes" in err
+
+
+async def test_cli_refuses_an_engine_it_cannot_start() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "server", "serve", "--engine", "trtllm", "--port", "0", stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    assert b"cannot start the bridge" in err and b"trtllm" in err and b"Traceback" not in err
