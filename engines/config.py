@@ -21,7 +21,10 @@ class ToyConfig(BaseModel):
         -1.0, description="Logit bias of the end-of-turn token; higher means shorter turns (about 20 tokens at -1)."
     )
     yield_every: int = Field(
-        16, ge=1, le=4096, description="Emit a chunk and yield to the event loop every this many tokens (fairness vs overhead)."
+        16,
+        ge=1,
+        le=4096,
+        description="Emit a chunk and yield to the event loop every this many tokens (fairness vs overhead).",
     )
     supports_weight_updates: bool = Field(
         True, description="Whether UpdateWeights is accepted (off to exercise engines that cannot reload)."
