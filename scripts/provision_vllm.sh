@@ -168,6 +168,9 @@ $CHECK_OUT"
 VERSIONS="$(tail -n1 <<<"$CHECK_OUT")"
 log "$VERSIONS"
 
+# Record exactly what was installed (for reproducing or pinning later).
+"$PY" -m pip freeze --disable-pip-version-check > "$VENV/.primerl-freeze.txt" 2>/dev/null || true
+
 T1=$(date +%s)
 SIZE="$(du -sh "$VENV" | cut -f1)"
 {
