@@ -303,7 +303,7 @@ def _convert_into(gguf: Path, out_dir: Path, progress: Progress | None) -> dict[
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if not getattr(tokenizer, "chat_template", None):
         raise ModelStoreError(f"the tokenizer in {gguf} has no chat template")
-    _emit(progress, f"de-quantizing {gguf.name} to fp32 (about 25 s on 2 cores)")
+    _emit(progress, f"de-quantizing {gguf.name} to fp32 (about 30 s on 2 cores)")
     source = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     source.train(False)
 

