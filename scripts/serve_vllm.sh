@@ -24,7 +24,7 @@
 #   PRIMERL_VLLM_THREADS   OMP/torch threads of the model in uni mode (default 1; 2 is ~10%
 #                          faster on an idle box and 2-3x slower when anything else runs).
 #   PRIMERL_VLLM_COMPILE   0 (default): --enforce-eager. 1: torch.compile/inductor, ~15-20%
-#                          faster decode, but ~3 min first start (~80 s once VLLM_CACHE_ROOT
+#                          faster decode, but ~2.5-3 min first start (~60 s once VLLM_CACHE_ROOT
 #                          holds the compiled graphs).
 #   VLLM_CPU_KVCACHE_SPACE KV cache size in GiB (default 2)
 #   VLLM_SERVER_DEV_MODE   1 (default here): /collective_rpc, /reset_prefix_cache, /pause,
@@ -66,6 +66,9 @@ if [[ "${PRIMERL_VLLM_COMPILE:-0}" == 1 ]]; then
   # has no attribute 'finalize_loading'") and is recompiled every time; the classic inductor
   # cache under VLLM_CACHE_ROOT does work across restarts.
   export VLLM_USE_AOT_COMPILE="${VLLM_USE_AOT_COMPILE:-0}"
+  # ...and that cache is torch inductor's own (default /tmp/torchinductor_$USER): keep it with
+  # vLLM's so that it survives /tmp being cleaned.
+  export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$VLLM_CACHE_ROOT/torchinductor}"
 fi
 
 case "${PRIMERL_VLLM_EXECUTOR:-uni}" in
