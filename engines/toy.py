@@ -160,7 +160,7 @@ class ToyEngine:
                     # Emit what we have and let other episodes and cancellation in. Not after
                     # every token: one event-loop turn costs ~100 us inside a grpc.aio server,
                     # more than a toy token, so tokens go out in batches as real engines do.
-                    yield self._emit(ids, logprobs, version)
+                    yield TokenChunk(tuple(ids), tuple(logprobs), version)
                     ids, logprobs = [], []
                     if not self.config.token_delay_s:
                         await asyncio.sleep(0)
@@ -170,10 +170,6 @@ class ToyEngine:
             self.counters.generated_tokens += produced
             self.counters.forward_passes += produced
             self._aborted.discard(request.request_id)
-
-    @staticmethod
-    def _emit(ids: list[int], logprobs: list[float], version: int) -> TokenChunk:
-        return TokenChunk(tuple(ids), tuple(logprobs), version)
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)

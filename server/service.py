@@ -151,8 +151,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         chunk = pb.StepChunk(token_ids=ids, logprobs=logprobs, origins=origins)  # type: ignore[arg-type]
         if ids and turn is None:
             chunk.text = self._decode(ids)
-        if turn is not None:
-            t = turn
+        if (t := turn) is not None:
             chunk.done.CopyFrom(
                 pb.TurnDone(
                     finish_reason=int(t.finish_reason or 0),  # type: ignore[arg-type]
