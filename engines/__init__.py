@@ -20,4 +20,15 @@ async def make_engines(config: EngineConfig) -> list[Engine]:
         from engines.toy import ToyEngine
 
         return [ToyEngine(config.toy, model=config.model, replica=f"toy-{i}") for i in range(config.replicas)]
+    if config.type == "embedded":
+        from engines.embedded import EmbeddedEngine
+
+        return [
+            await EmbeddedEngine.start(config.embedded, model=config.model, replica=f"embedded-{i}")
+            for i in range(config.replicas)
+        ]
+    if config.type in ("vllm", "sglang", "trtllm"):
+        from engines.http_base import make_remote_engines
+
+        return list(await make_remote_engines(config))
     raise InvalidArgument(f"engine type {config.type!r} is not available in this build")

@@ -1,7 +1,7 @@
 """Server assembly and lifecycle: ``create_server`` builds a ready-to-start bridge.
 
 Shutdown order (``BridgeServer.stop``): health NOT_SERVING -> stop accepting RPCs ->
-drain in-flight Steps for the grace period -> close engines.
+drain in-flight Steps for the grace period -> close engines -> stop /metrics and flush traces.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,11 +18,14 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from engines import Engine, make_engines
+from observability.metrics import BridgeMetrics, MetricsEndpoint, poll_engine_health
+from observability.tracing import Tracing
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.bridge import Bridge
 from server.config import Settings
 from server.service import PrimeRLService
+from server.telemetry import TelemetryInterceptor
 
 log = logging.getLogger("primerl.server")
 
@@ -36,12 +39,31 @@ class BridgeServer:
     bridge: Bridge
     health: HealthServicer
     settings: Settings
+    tracing: Tracing = field(default_factory=lambda: Tracing(None))
+    metrics_endpoint: MetricsEndpoint | None = None
+    _health_poll: asyncio.Task[None] | None = None
+
+    @property
+    def metrics(self) -> BridgeMetrics:
+        return self.bridge.metrics
+
+    @property
+    def metrics_port(self) -> int:
+        """The bound /metrics port (0 when the endpoint is off)."""
+        return self.metrics_endpoint.port if self.metrics_endpoint is not None else 0
 
     @property
     def address(self) -> str:
         return f"{self.settings.server.host}:{self.port}"
 
     async def start(self) -> None:
+        if self.metrics_endpoint is not None:
+            port = self.metrics_endpoint.start()
+            log.info("Prometheus metrics on %s:%d/metrics", self.metrics_endpoint.host, port)
+            self._health_poll = asyncio.create_task(
+                poll_engine_health(self.bridge.engines, self.metrics, self.settings.metrics.health_interval_s),
+                name="metrics-engine-health",
+            )
         await self.server.start()
         unhealthy = [(e.info.replica, h.detail) for e in self.bridge.engines if not (h := await e.health()).healthy]
         status = health_pb2.HealthCheckResponse.NOT_SERVING if unhealthy else health_pb2.HealthCheckResponse.SERVING
@@ -56,15 +78,31 @@ class BridgeServer:
         await self.server.stop(grace)
         for engine in self.bridge.engines:
             await engine.close()
+        if self._health_poll is not None:
+            self._health_poll.cancel()
+            await asyncio.gather(self._health_poll, return_exceptions=True)
+            self._health_poll = None
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.stop()
+        self.tracing.shutdown()
 
 
-async def create_server(settings: Settings, engines: Sequence[Engine] | None = None) -> BridgeServer:
-    """Build the bridge (engines started, port bound, not yet serving)."""
+async def create_server(
+    settings: Settings, engines: Sequence[Engine] | None = None, *, tracing: Tracing | None = None
+) -> BridgeServer:
+    """Build the bridge (engines started, port bound, not yet serving).
+
+    ``tracing`` defaults to what the ``OTEL_*`` variables ask for (off when they ask nothing).
+    """
+    tracing = tracing if tracing is not None else Tracing.from_env()
     engines = list(engines) if engines is not None else await make_engines(settings.engine)
-    bridge = Bridge(engines, settings.admission, settings.sampling)
+    metrics = BridgeMetrics()
+    bridge = Bridge([tracing.wrap(e) for e in engines], settings.admission, settings.sampling, metrics)
+    metrics.attach(bridge)
     limit = settings.server.max_message_bytes
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        interceptors=[TelemetryInterceptor(metrics, tracing)],
     )
     pb_grpc.add_PrimeRLServicer_to_server(PrimeRLService(bridge, settings.server.stream_interval_ms), server)
     health = HealthServicer()
@@ -73,7 +111,8 @@ async def create_server(settings: Settings, engines: Sequence[Engine] | None = N
     port = server.add_insecure_port(f"{settings.server.host}:{settings.server.port}")
     if port == 0:
         raise OSError(f"cannot bind {settings.server.host}:{settings.server.port}")
-    return BridgeServer(server, port, bridge, health, settings)
+    endpoint = MetricsEndpoint(metrics.registry, settings.server.host, settings.metrics.port)
+    return BridgeServer(server, port, bridge, health, settings, tracing, endpoint if settings.metrics.port else None)
 
 
 async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:

@@ -29,6 +29,7 @@ from engines.types import (
     WeightUpdate,
     check_token_ids,
 )
+from observability.metrics import BridgeMetrics
 from placement.router import StickyLeastLoaded
 from server.config import AdmissionConfig, SamplingDefaults
 from server.episodes import Episode, EpisodeStore, Turn
@@ -124,7 +125,13 @@ class EndResult:
 class Bridge:
     """Episodes over a set of engine replicas serving one model."""
 
-    def __init__(self, engines: Sequence[Engine], admission: AdmissionConfig, defaults: SamplingDefaults) -> None:
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        admission: AdmissionConfig,
+        defaults: SamplingDefaults,
+        metrics: BridgeMetrics | None = None,
+    ) -> None:
         if not engines:
             raise ValueError("a bridge needs at least one engine replica")
         self.engines = list(engines)
@@ -140,6 +147,7 @@ class Bridge:
         self.store = EpisodeStore(admission.max_episodes)
         self.router = StickyLeastLoaded(len(self.engines))
         self._group_ids = itertools.count()
+        self.metrics = metrics if metrics is not None else BridgeMetrics()
 
     @property
     def policy_version(self) -> int:
@@ -221,6 +229,7 @@ class Bridge:
                 replica=replica,
                 sampling=member,
                 metadata=dict(req.metadata),
+                shares_prompt=req.group_size > 1 or bool(req.group_id),
             )
             episode.append_unsampled(prompt, Origin.PROMPT, version)
             episode.prompt_length = len(prompt)
@@ -281,7 +290,7 @@ class Bridge:
             token_ids=tuple(episode.token_ids),
             params=params,
             episode_id=episode.id,
-            group_id=episode.group_id,
+            group_id=episode.group_id if episode.shares_prompt else "",
             cache_salt=f"{episode.model}@{turn.policy_version}",
         )
         load = len(request.token_ids) + params.max_tokens
@@ -324,6 +333,8 @@ class Bridge:
             prompt_tokens=turn.generation_start, generated_tokens=turn.end - turn.generation_start
         )
         turn.latency_ms = (time.perf_counter() - turn.started) * 1e3
+        latency_s, ttft_s = turn.latency_ms / 1e3, turn.ttft_ms / 1e3
+        self.metrics.observe_turn(self.info.model, self.info.engine, finish.name.lower(), turn.usage, latency_s, ttft_s)
 
     async def end_episode(self, req: EndRequest) -> EndResult:
         episode = self.store.get(req.episode_id, req.tenant)

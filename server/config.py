@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from engines.config import EngineConfig
+from envhub.config import EnvHubConfig
 
 
 class ServerConfig(BaseModel):
@@ -69,6 +70,9 @@ class MetricsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     port: int = Field(9300, ge=0, le=65535, description="Port of /metrics; 0 disables the endpoint.")
+    health_interval_s: float = Field(
+        10.0, gt=0, le=3600, description="How often engine health is checked for the primerl_engine_healthy gauge."
+    )
 
 
 class RedisConfig(BaseModel):
@@ -90,6 +94,7 @@ class Settings(BaseSettings):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
+    envhub: EnvHubConfig = Field(default_factory=EnvHubConfig, description="Env hub: tool connectors and loop.")
 
     @classmethod
     def settings_customise_sources(

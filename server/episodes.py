@@ -56,6 +56,8 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     created: float = field(default_factory=time.perf_counter)
     busy: bool = False
+    # A GRPO group (or an explicit group id): engines may share the prompt's KV among its members.
+    shares_prompt: bool = False
 
     def append(self, ids: Iterable[int], logprobs: Iterable[float], origins: Iterable[int], version: int) -> int:
         """Append tokens with their metadata; returns how many were appended."""

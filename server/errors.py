@@ -12,7 +12,8 @@ cache and placement can raise these errors without depending on the RPC layer.
     │   └── TokenOutOfVocabulary      INVALID_ARGUMENT  id < 0 or >= vocab size
     ├── NotFound                      NOT_FOUND         unknown / already-ended episode
     ├── FailedPrecondition            FAILED_PRECONDITION
-    │   └── EpisodeBusy               FAILED_PRECONDITION  a Step is already running
+    │   ├── EpisodeBusy               FAILED_PRECONDITION  a Step is already running
+    │   └── ToolError                 FAILED_PRECONDITION  an env tool refused or failed (envhub)
     ├── ResourceExhausted             RESOURCE_EXHAUSTED  admission limits
     ├── PermissionDenied              PERMISSION_DENIED   another tenant's episode
     ├── Unauthenticated               UNAUTHENTICATED
@@ -55,6 +56,18 @@ class FailedPrecondition(PrimeRLError):
 
 class EpisodeBusy(FailedPrecondition):
     pass
+
+
+class ToolError(FailedPrecondition):
+    """An environment tool refused or failed (blocked address, read-only violation, sandbox limit).
+
+    The env hub turns it into an error observation for the model; ``kind`` names the guard
+    (``refused``, ``blocked``, ``timeout``, ``limit``, ``unavailable``, ``invalid``).
+    """
+
+    def __init__(self, message: str, kind: str = "refused") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class ResourceExhausted(PrimeRLError):

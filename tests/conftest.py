@@ -21,8 +21,10 @@ async def start_bridge() -> AsyncIterator[StartBridge]:
     async with AsyncExitStack() as stack:
 
         async def start(**overrides: Any) -> tuple[BridgeServer, AsyncBridgeClient]:
+            overrides.setdefault("engine", {}).setdefault("type", "toy")
             overrides.setdefault("server", {}).setdefault("port", 0)
             overrides["server"].setdefault("grace_period_s", 1.0)
+            overrides.setdefault("metrics", {}).setdefault("port", 0)  # never the shared default 9300
             server = await create_server(load_settings(**overrides))
             await server.start()
             stack.push_async_callback(server.stop, 0.5)

@@ -1,0 +1,629 @@
+"""``embedded``: a Hugging Face causal LM in-process on torch CPU (SmolLM2-135M-Instruct by default).
+
+Structure (after vLLM's engine core / client split): one background task owns a scheduler loop; every torch
+call (prefill, batched decode, weight swap) runs on one worker thread, so the event loop stays responsive and a
+weight swap always falls between two decode steps. Each request's async generator reads its own queue.
+
+Invariants
+----------
+* Exact logprobs: a sampled token's logprob is that of the distribution it was drawn from (after temperature,
+  top-k, top-p; ``engines.sampling`` on float64 logits); greedy reports the raw distribution's.
+* Stateful decode: an episode's KV cache is kept between turns, keyed by episode id and tagged with the
+  request's ``cache_salt`` (model and policy version). A turn feeds only the tokens its KV does not cover.
+  The last token sampled in a turn enters the KV at the start of the next one; that forward is the decode
+  work of a sampled token and is counted as ``deferred_decode_tokens``, never as prefill.
+* Idle KV (episodes between turns, GRPO prompts) lives in an LRU store bounded by ``kv_budget_bytes``.
+  An evicted episode is recomputed from its token ids on its next turn: same ids, same tokens.
+* GRPO groups: the first member of a group to start keeps its prompt's KV and next-token logits; the other
+  members fork a copy and prefill nothing.
+* Policy versions: KV is reused only under the same ``cache_salt``. ``update_weights`` drops every KV computed
+  under the old weights (idle and in flight; in-flight sequences are re-prefilled) unless ``keep_kv``.
+  Each token carries the version of the weights that produced its logits.
+* Batching: sequences that need one decode token share a forward pass (left-padded KV, per-row positions);
+  sequences join and leave at token boundaries. The batched KV is rebuilt only when membership changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engines.chat import HFTokenizer
+from engines.config import EmbeddedConfig
+from engines.sampling import sample
+from engines.types import (
+    EngineCounters,
+    EngineHealth,
+    EngineInfo,
+    FinishReason,
+    GenerateRequest,
+    TokenChunk,
+    Usage,
+    WeightUpdate,
+    check_token_ids,
+)
+from server.errors import EngineError, EngineUnavailable, InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import DynamicCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def _kv_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (keys, values), each [batch, kv_heads, tokens, head_dim]; full-attention layers only."""
+    layers: list[Any] = list(cache.layers)
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def _cache_nbytes(cache: DynamicCache) -> int:
+    return sum(int(k.nbytes + v.nbytes) for k, v in _kv_tensors(cache))
+
+
+def _common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(slots=True)
+class _Parked:
+    """KV of an idle episode or a group prompt: it covers exactly ``ids``."""
+
+    ids: tuple[int, ...]
+    cache: DynamicCache
+    logits: torch.Tensor | None  # next-token logits after ``ids``, when known
+    salt: str
+    deferred: int  # tokens after ``ids`` that this engine sampled (their KV is decode work, not prefill)
+    nbytes: int
+
+
+class _KVStore:
+    """LRU map of parked KV bounded by bytes. Keys are ``("ep", id)`` or ``("grp", id)``. Thread-safe."""
+
+    def __init__(self, budget: int, counters: EngineCounters) -> None:
+        self.budget = budget
+        self._items: OrderedDict[tuple[str, str], _Parked] = OrderedDict()
+        self._lock = threading.Lock()
+        self._counters = counters
+        self.nbytes = 0
+
+    def put(self, key: tuple[str, str], item: _Parked) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            self.nbytes += item.nbytes - (old.nbytes if old else 0)
+            self._items[key] = item
+            while self.nbytes > self.budget and self._items:
+                evicted_key, evicted = self._items.popitem(last=False)
+                self.nbytes -= evicted.nbytes
+                self._counters.extra["kv_evictions"] = self._counters.extra.get("kv_evictions", 0) + 1
+                log.debug("evicted KV of %s %s (%d bytes)", *evicted_key, evicted.nbytes)
+            self._counters.extra["kv_bytes"] = self.nbytes
+
+    def take(self, key: tuple[str, str]) -> _Parked | None:
+        with self._lock:
+            item = self._items.pop(key, None)
+            if item is not None:
+                self.nbytes -= item.nbytes
+                self._counters.extra["kv_bytes"] = self.nbytes
+            return item
+
+    def peek(self, key: tuple[str, str]) -> _Parked | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+            return item
+
+    def clear(self, keep: Callable[[tuple[str, str]], bool] = lambda _: False) -> None:
+        with self._lock:
+            for key in [k for k in self._items if not keep(k)]:
+                self.nbytes -= self._items.pop(key).nbytes
+            self._counters.extra["kv_bytes"] = self.nbytes
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        with self._lock:
+            return key in self._items
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    """One running generation. ``ids`` is the whole history; the KV covers ``ids[:cached]``."""
+
+    request: GenerateRequest
+    queue: asyncio.Queue[TokenChunk | BaseException]
+    rng: np.random.Generator
+    budget: int
+    stops: frozenset[int]
+    ids: list[int]
+    cache: DynamicCache | None = None
+    cached: int = 0
+    logits: torch.Tensor | None = None  # next-token logits after ``ids``, once computed
+    deferred: int = 0  # leading fed tokens that are last turn's sampled token(s)
+    reused: int = 0  # prompt tokens whose KV was reused (usage.cached_tokens)
+    produced: int = 0
+    in_batch: bool = False
+    share_prompt: bool = False  # first member of a GRPO group: keep the prompt's KV for the others
+    stop_requested: bool = False
+    finish: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class _Batch:
+    rows: list[_Seq]
+    cache: DynamicCache
+    mask: torch.Tensor  # [B, T] 1 for real positions, 0 for left padding
+    pads: list[int]
+
+
+@dataclass(slots=True)
+class _Loaded:
+    model: PreTrainedModel
+    tokenizer: HFTokenizer
+    name: str
+    max_model_len: int
+
+
+def load_model(config: EmbeddedConfig, model: str) -> _Loaded:
+    """Resolve (converting the bundled GGUF once if needed) and load the model. Blocking; seconds when cached."""
+    import torch
+    import transformers
+
+    from engines.model_store import ModelStoreError, load_model_and_tokenizer, resolve_model_dir
+
+    transformers.utils.logging.disable_progress_bar()
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    cache_dir = Path(config.model_cache).expanduser() if config.model_cache else None
+    try:
+        model_dir = resolve_model_dir(model or None, cache_dir=cache_dir, progress=lambda m: log.info("model: %s", m))
+        hf_model, hf_tokenizer = load_model_and_tokenizer(model_dir)
+    except ModelStoreError as exc:
+        raise EngineUnavailable(f"embedded engine cannot load model {model or DEFAULT_MODEL_NAME!r}: {exc}") from exc
+    eos = hf_model.config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    limit = int(getattr(hf_model.config, "max_position_embeddings", config.max_model_len))
+    path = Path(model).expanduser() if model else None
+    name = path.name if path is not None and path.exists() else (model or DEFAULT_MODEL_NAME)
+    return _Loaded(hf_model, HFTokenizer(hf_tokenizer, eos_ids), name, min(config.max_model_len, limit))
+
+
+class EmbeddedEngine:
+    """In-process torch engine with stateful decode, GRPO prompt sharing, batching and weight swaps."""
+
+    def __init__(self, loaded: _Loaded, config: EmbeddedConfig, replica: str = "embedded-0") -> None:
+        self.config = config
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        vocab = int(self.model.config.vocab_size)
+        self.info = EngineInfo(
+            engine="embedded",
+            model=loaded.name,
+            vocab_size=vocab,
+            max_model_len=loaded.max_model_len,
+            eos_token_ids=loaded.tokenizer.eos_token_ids,
+            supports_weight_updates=True,
+            replica=replica,
+        )
+        self.counters = EngineCounters(extra={"kv_bytes": 0, "kv_evictions": 0, "deferred_decode_tokens": 0})
+        self._version = 0
+        self._store = _KVStore(config.kv_budget_bytes, self.counters)
+        self._group_members: dict[str, set[str]] = {}
+        self._groups_lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"primerl-{replica}")
+        self._waiting: list[_Seq] = []
+        self._active: list[_Seq] = []
+        self._batch: _Batch | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+        self._rng = np.random.default_rng()
+
+    @classmethod
+    async def start(cls, config: EmbeddedConfig, model: str = "", replica: str = "embedded-0") -> EmbeddedEngine:
+        """Load the model off the event loop (seconds when cached; ~30 s for the first conversion)."""
+        return cls(await asyncio.to_thread(load_model, config, model), config, replica)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    # -- requests (event-loop side) -------------------------------------------------------------
+
+    def _check(self, request: GenerateRequest) -> None:
+        if not request.token_ids:
+            raise InvalidArgument("token_ids is empty: the engine needs at least one token to continue")
+        check_token_ids(request.token_ids, self.info.vocab_size, "token_ids")
+        request.params.validate(self.info.vocab_size)
+        if len(request.token_ids) >= self.info.max_model_len:
+            raise InvalidArgument(
+                f"{len(request.token_ids)} tokens leave no room in the context window of "
+                f"{self.info.max_model_len} tokens"
+            )
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        self._check(request)
+        if self._failure is not None:
+            raise EngineUnavailable(f"embedded engine {self.info.replica!r} has failed: {self._failure}")
+        params = request.params
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.info.eos_token_ids)
+        seq = _Seq(
+            request=request,
+            queue=asyncio.Queue(),
+            rng=np.random.default_rng(params.seed) if params.seed is not None else self._rng,
+            budget=min(params.max_tokens, self.info.max_model_len - len(request.token_ids)),
+            stops=frozenset(stops),
+            ids=list(request.token_ids),
+        )
+        self.counters.requests += 1
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"primerl-{self.info.replica}-scheduler")
+            self._task.add_done_callback(self._on_scheduler_exit)
+        self._waiting.append(seq)
+        self._wake.set()
+        try:
+            while True:
+                item = await seq.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            seq.stop_requested = True  # the scheduler drops it at the next token boundary
+            if seq in self._waiting:
+                self._waiting.remove(seq)
+
+    def _on_scheduler_exit(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._failure = task.exception()
+            log.error("embedded engine %s scheduler died: %r", self.info.replica, self._failure)
+            for seq in [*self._waiting, *self._active]:
+                seq.queue.put_nowait(EngineUnavailable(f"embedded engine scheduler failed: {self._failure}"))
+
+    async def abort(self, request_id: str) -> None:
+        for seq in itertools.chain(self._waiting, self._active):
+            if seq.request.request_id == request_id:
+                seq.stop_requested = True
+        self._wake.set()
+
+    async def health(self) -> EngineHealth:
+        if self._failure is not None:
+            return EngineHealth(False, f"scheduler failed: {self._failure}")
+        return EngineHealth(True, f"{len(self._active)} running, {len(self._waiting)} waiting")
+
+    async def release(self, episode_id: str) -> None:
+        self._store.take(("ep", episode_id))
+        with self._groups_lock:
+            for group, members in list(self._group_members.items()):
+                members.discard(episode_id)
+                if not members:
+                    del self._group_members[group]
+                    self._store.take(("grp", group))
+
+    def evict(self, episode_id: str) -> bool:
+        """Drop an idle episode's KV now (its next turn recomputes it); True if there was any."""
+        return self._store.take(("ep", episode_id)) is not None
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        state = await asyncio.to_thread(self._read_checkpoint, update.checkpoint_path)
+        await asyncio.get_running_loop().run_in_executor(self._worker, self._swap_weights, state, update)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for seq in [*self._waiting, *self._active]:
+            seq.queue.put_nowait(EngineUnavailable(f"embedded engine {self.info.replica!r} is shutting down"))
+        self._worker.shutdown(wait=True)
+
+    # -- scheduler ---------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._waiting and not self._active:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            room = self.config.max_batch_size - len(self._active)
+            admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+            self._active.extend(admitted)
+            try:
+                events = await loop.run_in_executor(self._worker, self._iteration, admitted)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a failed forward fails its requests, not the process
+                log.exception("embedded engine step failed")
+                error = EngineError(f"embedded engine {self.info.replica!r} failed a forward pass: {exc}")
+                for seq in self._active:
+                    seq.queue.put_nowait(error)
+                self._active.clear()
+                self._batch = None
+                continue
+            for seq, chunk in events:
+                seq.queue.put_nowait(chunk)
+            self._active = [s for s in self._active if s.finish is None]
+
+    def _iteration(self, admitted: list[_Seq]) -> list[tuple[_Seq, TokenChunk]]:
+        """One scheduler step on the worker thread: admit, forward, sample, retire."""
+        import torch
+
+        events: list[tuple[_Seq, TokenChunk]] = []
+        with torch.inference_mode():
+            for seq in admitted:  # one by one: a group's first member shares its prompt KV with the next
+                self._acquire(seq)
+                if not seq.stop_requested and seq.logits is None and len(seq.ids) - seq.cached > 1:
+                    self._prefill(seq)
+            live: list[_Seq] = []
+            for seq in self._active:
+                if seq.stop_requested:
+                    events.append((seq, self._finish(seq, FinishReason.ABORT, ())))
+                else:
+                    live.append(seq)
+            # One fed token each (kept in scheduling order, so a stable batch is reused as is).
+            decode = [
+                s
+                for s in live
+                if s.in_batch or (s.logits is None and s.cache is not None and len(s.ids) - s.cached == 1)
+            ]
+            for seq in live:
+                if seq.logits is None and seq not in decode:
+                    self._prefill(seq)
+            if decode:
+                self._decode(decode)
+            version = self._version
+            for seq in live:
+                assert seq.logits is not None
+                token, logprob = sample(seq.logits.double().numpy(), seq.request.params, seq.rng)
+                seq.ids.append(token)
+                seq.logits = None
+                seq.produced += 1
+                self.counters.generated_tokens += 1
+                if token in seq.stops:
+                    events.append((seq, self._finish(seq, FinishReason.STOP, (token, logprob))))
+                elif seq.produced >= seq.budget:
+                    events.append((seq, self._finish(seq, FinishReason.LENGTH, (token, logprob))))
+                else:
+                    events.append((seq, TokenChunk((token,), (logprob,), version)))
+        return events
+
+    def _finish(self, seq: _Seq, reason: FinishReason, last: tuple[int, float] | tuple[()]) -> TokenChunk:
+        seq.finish = reason
+        self._park(seq)
+        usage = Usage(prompt_tokens=len(seq.request.token_ids), cached_tokens=seq.reused, generated_tokens=seq.produced)
+        ids, logprobs = ((last[0],), (last[1],)) if last else ((), ())
+        return TokenChunk(ids, logprobs, self._version, finish_reason=reason, usage=usage)
+
+    # -- KV bookkeeping (worker thread) --------------------------------------------------------------
+
+    def _acquire(self, seq: _Seq) -> None:
+        """Give an admitted sequence the longest reusable KV: its episode's, else its group's prompt."""
+        req = seq.request
+        entry: _Parked | None = None
+        if req.episode_id:
+            entry = self._store.take(("ep", req.episode_id))
+            if entry is not None and entry.salt != req.cache_salt:
+                entry = None  # computed under other weights: never reused
+        if entry is None and req.group_id:
+            shared = self._store.peek(("grp", req.group_id))
+            if shared is not None and shared.salt == req.cache_salt and seq.ids[: len(shared.ids)] == list(shared.ids):
+                entry = _Parked(shared.ids, _fork(shared.cache), shared.logits, shared.salt, 0, shared.nbytes)
+                self.counters.extra["group_forks"] = self.counters.extra.get("group_forks", 0) + 1
+        if req.group_id and req.episode_id:
+            with self._groups_lock:
+                members = self._group_members.setdefault(req.group_id, set())
+                seq.share_prompt = entry is None and req.episode_id not in members
+                members.add(req.episode_id)
+        n = _common_prefix(entry.ids, seq.ids) if entry is not None else 0
+        if entry is not None and n == len(seq.ids) and entry.logits is None:
+            n -= 1  # the next token's logits are needed: recompute the last position
+        if entry is not None and n > 0:
+            if n < len(entry.ids):
+                entry.cache.crop(n)
+                entry.logits = None
+            seq.cache, seq.cached, seq.reused = entry.cache, n, n
+            seq.logits = entry.logits if n == len(seq.ids) else None
+            if n == len(entry.ids):  # last turn's sampled token(s) lead the fed tokens
+                seq.deferred = min(entry.deferred, len(seq.ids) - n)
+        self.counters.prefill_tokens += len(seq.ids) - seq.cached - seq.deferred
+        self.counters.cached_tokens += seq.cached
+        self.counters.extra["deferred_decode_tokens"] += seq.deferred
+
+    def _park(self, seq: _Seq) -> None:
+        """Keep a finished sequence's KV for its episode's next turn."""
+        if seq.in_batch:
+            self._unpack()
+        if seq.cache is None or seq.cached == 0 or not seq.request.episode_id:
+            return
+        cache, seq.cache = seq.cache, None
+        logits = seq.logits if seq.cached == len(seq.ids) else None
+        entry = _Parked(
+            tuple(seq.ids[: seq.cached]),
+            cache,
+            logits,
+            seq.request.cache_salt,
+            len(seq.ids) - seq.cached,
+            _cache_nbytes(cache),
+        )
+        self._store.put(("ep", seq.request.episode_id), entry)
+
+    # -- forward passes (worker thread) --------------------------------------------------------------
+
+    def _prefill(self, seq: _Seq) -> None:
+        import torch
+        from transformers.cache_utils import DynamicCache
+
+        if seq.in_batch:
+            self._unpack()
+        new = seq.ids[seq.cached :]
+        if seq.cache is None:
+            seq.cache, seq.cached = DynamicCache(config=self.model.config), 0
+            new = seq.ids
+        if seq.produced:  # KV dropped mid-turn by a weight swap: recomputed under the new weights
+            self.counters.extra["recomputed_tokens"] = self.counters.extra.get("recomputed_tokens", 0) + len(new)
+        out = self.model(input_ids=torch.tensor([new]), past_key_values=seq.cache, use_cache=True, logits_to_keep=1)
+        seq.logits = out.logits[0, -1]
+        seq.cached = len(seq.ids)
+        self.counters.forward_passes += 1
+        req = seq.request
+        if seq.share_prompt and ("grp", req.group_id) not in self._store:
+            prompt = _Parked(tuple(seq.ids), _fork(seq.cache), seq.logits, req.cache_salt, 0, 0)
+            prompt.nbytes = _cache_nbytes(prompt.cache)
+            self._store.put(("grp", req.group_id), prompt)
+
+    def _decode(self, seqs: list[_Seq]) -> None:
+        import torch
+
+        self.counters.forward_passes += 1
+        if len(seqs) == 1:
+            seq = seqs[0]
+            if seq.in_batch:
+                self._unpack()
+            assert seq.cache is not None
+            out = self.model(input_ids=torch.tensor([[seq.ids[-1]]]), past_key_values=seq.cache, use_cache=True)
+            seq.logits = out.logits[0, -1]
+            seq.cached += 1
+            return
+        if self._batch is None or self._batch.rows != seqs:
+            self._unpack()
+            self._pack(seqs)
+        batch = self._batch
+        assert batch is not None
+        batch.mask = torch.cat([batch.mask, torch.ones(len(seqs), 1, dtype=batch.mask.dtype)], dim=1)
+        out = self.model(
+            input_ids=torch.tensor([[s.ids[-1]] for s in seqs]),
+            attention_mask=batch.mask,
+            position_ids=torch.tensor([[s.cached] for s in seqs]),
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        for i, seq in enumerate(seqs):
+            seq.logits = out.logits[i, -1]
+            seq.cached += 1
+        self.counters.extra["batched_rows"] = self.counters.extra.get("batched_rows", 0) + len(seqs)
+
+    def _pack(self, seqs: list[_Seq]) -> None:
+        """Left-pad the sequences' KV into one batched cache."""
+        import torch
+        from transformers.cache_utils import DynamicCache
+
+        width = max(s.cached for s in seqs)
+        pads = [width - s.cached for s in seqs]
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        per_seq = []
+        for seq in seqs:
+            assert seq.cache is not None
+            per_seq.append(_kv_tensors(seq.cache))
+        for li, (k0, v0) in enumerate(per_seq[0]):
+            _, heads, _, dim = k0.shape
+            keys = k0.new_zeros(len(seqs), heads, width, dim)
+            values = v0.new_zeros(len(seqs), heads, width, dim)
+            for row, pad in enumerate(pads):
+                keys[row, :, pad:] = per_seq[row][li][0][0]
+                values[row, :, pad:] = per_seq[row][li][1][0]
+            layers.append((keys, values))
+        mask = torch.ones(len(seqs), width, dtype=torch.long)
+        for row, pad in enumerate(pads):
+            mask[row, :pad] = 0
+        for seq in seqs:
+            seq.cache, seq.in_batch = None, True
+        self._batch = _Batch(list(seqs), DynamicCache(ddp_cache_data=layers), mask, pads)
+
+    def _unpack(self) -> None:
+        """Split the batched cache back into per-sequence caches (copies, so the batch memory is freed)."""
+        from transformers.cache_utils import DynamicCache
+
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        width = batch.mask.shape[1]
+        kv = _kv_tensors(batch.cache)
+        for row, seq in enumerate(batch.rows):
+            start = width - seq.cached
+            seq.cache = DynamicCache(
+                ddp_cache_data=[
+                    (k[row : row + 1, :, start:].clone(), v[row : row + 1, :, start:].clone()) for k, v in kv
+                ]
+            )
+            seq.in_batch = False
+
+    # -- weights ------------------------------------------------------------------------------------
+
+    def _read_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
+        """Load and check a safetensors checkpoint against the model (names, shapes) before touching it."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            raise InvalidArgument(f"checkpoint_path {path!r} is not a directory")
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise InvalidArgument(f"checkpoint_path {path!r} has no *.safetensors files")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                state.update(load_file(str(f)))
+            except (SafetensorError, OSError) as exc:
+                raise InvalidArgument(f"cannot read {f}: {exc}") from None
+        own = self.model.state_dict()
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        missing = [k for k in own if k not in state and not (tied and k == "lm_head.weight")]
+        unknown = [k for k in state if k not in own]
+        if missing or unknown:
+            raise InvalidArgument(
+                f"checkpoint {path!r} does not match the model: {len(missing)} tensors missing (e.g. {missing[:3]}), "
+                f"{len(unknown)} unexpected (e.g. {unknown[:3]})"
+            )
+        for k, t in state.items():
+            if tuple(t.shape) != tuple(own[k].shape):
+                raise InvalidArgument(
+                    f"checkpoint {path!r}: tensor {k} has shape {tuple(t.shape)}, the model needs {tuple(own[k].shape)}"
+                )
+        return state
+
+    def _swap_weights(self, state: dict[str, Any], update: WeightUpdate) -> None:
+        import torch
+
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for k, t in state.items():
+                own[k].copy_(t)
+        self._version = update.policy_version
+        if not update.keep_kv:
+            self._unpack()
+            self._store.clear()
+            for seq in self._active:  # in flight: recompute under the new weights at the next step
+                seq.cache, seq.cached, seq.logits, seq.deferred = None, 0, None, 0
+        log.info("embedded engine %s now serves policy version %d", self.info.replica, self._version)
+
+
+def _fork(cache: DynamicCache) -> DynamicCache:
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in _kv_tensors(cache)])
+
+
+__all__ = ["DEFAULT_MODEL_NAME", "EmbeddedEngine", "load_model"]

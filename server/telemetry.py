@@ -1,0 +1,178 @@
+"""gRPC server interceptor: per-RPC metrics (latency, status codes) and OpenTelemetry spans.
+
+Invariants:
+- every RPC is counted exactly once with its final status code: OK, the code a handler
+  aborted with, CANCELLED when the client went away, UNKNOWN for anything else;
+- with tracing off no span code runs; the RPC span continues the trace in the client's
+  metadata and is the current span while the handler runs, so engine spans are its children;
+- span attributes are ids and counts read from the messages (episode id, turn, replica,
+  token usage), never text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from observability.metrics import BridgeMetrics
+from observability.tracing import Tracing
+
+UNTRACED = ("grpc.health.", "grpc.reflection.")
+
+
+def _method_label(full: str) -> str:
+    """``/primerl.v1.PrimeRL/Step`` -> ``primerl.v1.PrimeRL/Step`` (bounded by the services served)."""
+    return full.lstrip("/")
+
+
+def _code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    return grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
+
+
+def _request_attrs(request: Any) -> dict[str, Any]:
+    attrs: dict[str, Any] = {}
+    if episode_id := getattr(request, "episode_id", ""):
+        attrs["primerl.episode_id"] = episode_id
+    if group_size := getattr(request, "group_size", 0):
+        attrs["primerl.group_size"] = group_size
+    return attrs
+
+
+def _response_attrs(response: Any) -> dict[str, Any]:
+    """Attributes from a StartEpisode response or a Step's last chunk."""
+    attrs: dict[str, Any] = {}
+    if ids := getattr(response, "episode_ids", None):
+        attrs["primerl.episode_ids"] = list(ids)
+        attrs["primerl.replica"] = response.placement.replica
+        attrs["primerl.prompt_tokens"] = response.prompt_tokens
+    done = getattr(response, "done", None)
+    if done is not None and response.HasField("done"):
+        attrs["primerl.turn"] = done.turn_index
+        attrs["primerl.finish_reason"] = done.finish_reason
+        attrs["primerl.prompt_tokens"] = done.usage.prompt_tokens
+        attrs["primerl.cached_tokens"] = done.usage.cached_tokens
+        attrs["primerl.generated_tokens"] = done.usage.generated_tokens
+        attrs["primerl.policy_version"] = done.policy_version
+    return attrs
+
+
+class TelemetryInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: BridgeMetrics, tracing: Tracing) -> None:
+        self.metrics = metrics
+        self.tracing = tracing
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:  # no client-streaming RPCs are served
+            return handler
+        method = _method_label(handler_call_details.method)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(method, handler.unary_stream, self._traced(method)),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            self._wrap_unary(method, handler.unary_unary, self._traced(method)),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _traced(self, method: str) -> bool:
+        # Health probes (every few seconds from Kubernetes) and reflection would drown the traces.
+        return self.tracing.enabled and not method.startswith(UNTRACED)
+
+    def _start_span(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        from opentelemetry import propagate
+        from opentelemetry.trace import SpanKind
+
+        assert self.tracing.tracer is not None
+        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        return self.tracing.tracer.start_span(
+            method,
+            context=propagate.extract(carrier),
+            kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.method": method, **_request_attrs(request)},
+        )
+
+    def _end_span(self, span: Any, code: grpc.StatusCode, context: grpc.aio.ServicerContext) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.OK:
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {context.details() or ''}"))
+        span.end()
+
+    def _wrap_unary(self, method: str, behavior: Any, traced: bool) -> Any:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            span = self._start_span(method, request, context) if traced else None
+            exc: BaseException | None = None
+            try:
+                if span is None:
+                    return await behavior(request, context)
+                from opentelemetry.trace import use_span
+
+                with use_span(span, end_on_exit=False):
+                    response = await behavior(request, context)
+                span.set_attributes(_response_attrs(response))
+                return response
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                code = _code(context, exc)
+                self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
+                if span is not None:
+                    self._end_span(span, code, context)
+
+        return handle
+
+    def _wrap_stream(self, method: str, behavior: Any, traced: bool) -> Any:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            started = time.perf_counter()
+            span = self._start_span(method, request, context) if traced else None
+            exc: BaseException | None = None
+            try:
+                if span is None:
+                    async for response in behavior(request, context):
+                        yield response
+                    return
+                from opentelemetry import context as otel_context
+                from opentelemetry.trace import set_span_in_context
+
+                first = True
+                token = otel_context.attach(set_span_in_context(span))
+                try:
+                    async for response in behavior(request, context):
+                        if first and getattr(response, "token_ids", None):
+                            first = False
+                            span.add_event("first_token")
+                            span.set_attribute("primerl.ttft_ms", (time.perf_counter() - started) * 1e3)
+                        span.set_attributes(_response_attrs(response))
+                        yield response
+                finally:
+                    otel_context.detach(token)
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                code = _code(context, exc)
+                self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
+                if span is not None:
+                    self._end_span(span, code, context)
+
+        return handle
