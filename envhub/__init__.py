@@ -1,1 +1,46 @@
-"""envhub package."""
+"""Env hub: environments, connectors, reward shapers and tool-schema grammars.
+
+Layout::
+
+    types.py      ToolSpec, ToolCall, FinalAnswer, ToolResult, StepResult, EnvState ...
+    base.py       Environment protocol; ToolEnvironment (tasks, tools, trace, grading)
+    registry.py   make_env(name, config): sql-qa, code-math, web-lookup (+ register())
+    loop.py       ToolLoop: the server-side tool loop the bridge drives per turn
+    grammar.py    ToolGrammar: an env's tool schemas for the speculation layer
+    rewards.py    reward shapers (success, format, step, cost, tool-trace)
+    graders.py    deterministic graders in [0, 1]
+    openenv.py    OpenEnv HTTP facade (create_app) and client (OpenEnvClient)
+    connectors/   sql (SQLite, PostgreSQL), sandbox (bubblewrap), http (SSRF-safe), browser
+    envs/         the ready environments
+
+Importing the package imports neither Playwright, psycopg nor Starlette.
+"""
+
+from envhub.base import Environment, Task, ToolEnvironment
+from envhub.config import EnvHubConfig
+from envhub.grammar import ToolGrammar, grammar_for
+from envhub.loop import LoopDecision, ToolLoop, parse_tool_calls
+from envhub.registry import make_env, names, register
+from envhub.types import EnvState, FinalAnswer, ResetResult, StepResult, ToolCall, ToolResult, ToolSpec
+
+__all__ = [
+    "EnvHubConfig",
+    "EnvState",
+    "Environment",
+    "FinalAnswer",
+    "LoopDecision",
+    "ResetResult",
+    "StepResult",
+    "Task",
+    "ToolCall",
+    "ToolEnvironment",
+    "ToolGrammar",
+    "ToolLoop",
+    "ToolResult",
+    "ToolSpec",
+    "grammar_for",
+    "make_env",
+    "names",
+    "parse_tool_calls",
+    "register",
+]

@@ -1,0 +1,259 @@
+"""Code sandbox: a fresh, isolated, resource-limited Python process per call.
+
+Layers (see reference spec C2):
+1. a fresh process per call in its own process group (``start_new_session``); on the
+   wall-clock deadline or the output cap the whole group is SIGKILLed, and bubblewrap's
+   ``--die-with-parent`` plus the PID namespace take every descendant down with it;
+2. rlimits set by a bootstrap inside the sandbox before the user code runs (CPU, address
+   space, file size, processes, open files, no core files); hard limits, so the code can
+   only lower them. Root is exempt from RLIMIT_NPROC, so a root hub drops to
+   ``run_as_uid`` (``setpriv``) before entering the sandbox;
+3. bubblewrap: new user/net/pid/ipc/uts/cgroup namespaces, all capabilities dropped,
+   ``/usr`` bound read-only, no ``/etc``, ``/home`` or ``/root``, the root remounted
+   read-only, a size-capped tmpfs work directory (``/work``) and ``/tmp``;
+4. a seccomp deny list (``connectors.seccomp``: ptrace, mount, bpf, keyctl, ...; x86_64);
+5. stdout+stderr capped; exceeding the cap kills the process.
+
+Without a working bubblewrap the sandbox refuses to run (``ToolError(kind="unavailable")``)
+unless the config says ``isolation="none"`` and ``allow_unisolated=true``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+
+from envhub.config import SandboxConfig
+from envhub.connectors import seccomp
+from server.errors import ToolError
+
+# Runs inside the sandbox: sets hard rlimits, then executes the code read from stdin.
+_BOOT = r"""
+import resource, sys
+cpu, mem, fsize, nproc, nofile = (int(x) for x in sys.argv[1:6])
+for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
+                        (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NPROC, nproc, nproc),
+                        (resource.RLIMIT_NOFILE, nofile, nofile), (resource.RLIMIT_CORE, 0, 0)):
+    resource.setrlimit(res, (soft, hard))
+src = sys.stdin.read()
+sys.stdin.close()
+sys.argv = ["main.py"]
+exec(compile(src, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
+"""
+
+_SIGNAL_NAMES = {
+    signal.SIGKILL: "SIGKILL",
+    signal.SIGXCPU: "SIGXCPU (CPU limit)",
+    signal.SIGXFSZ: "SIGXFSZ (file size)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """The outcome of one sandboxed run."""
+
+    exit_code: int  # the process's status; 128 + n when killed by signal n
+    stdout: str
+    stderr: str
+    timed_out: bool
+    output_capped: bool
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and not self.output_capped
+
+    def describe(self) -> str:
+        """The text shown to the model."""
+        if self.timed_out:
+            head = "error (timeout): killed after the wall-clock limit"
+        elif self.output_capped:
+            head = "error (limit): output exceeded the cap; process killed"
+        elif self.exit_code > 128 and self.exit_code - 128 in _SIGNAL_NAMES:
+            head = f"error (limit): killed by {_SIGNAL_NAMES[signal.Signals(self.exit_code - 128)]}"
+        elif self.exit_code != 0:
+            head = f"error (runtime): exit status {self.exit_code}"
+        else:
+            head = "exit status 0"
+        parts = [head]
+        if self.stdout:
+            parts.append("--- stdout ---\n" + self.stdout)
+        if self.stderr:
+            parts.append("--- stderr ---\n" + self.stderr)
+        return "\n".join(parts)
+
+
+class CodeSandbox:
+    """Runs Python code; one fresh process per ``run`` call."""
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config or SandboxConfig()
+        self._probed: str | None = None  # "" = works, else why not
+
+    def _limits(self) -> list[str]:
+        c = self.config
+        mib = 1024 * 1024
+        limits = (c.cpu_s, c.memory_mb * mib, c.max_file_mb * mib, c.max_processes, c.max_open_files)
+        return [str(v) for v in limits]
+
+    def _seccomp_fd(self) -> int | None:
+        """A memfd holding the BPF program (inherited by bwrap), or None when not in use."""
+        if self.config.isolation != "bwrap" or not self.config.seccomp or not seccomp.supported():
+            return None
+        fd = os.memfd_create("envhub-seccomp", 0)
+        os.write(fd, seccomp.deny_list_program())
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+
+    def _bwrap_argv(self, inner: list[str], seccomp_fd: int | None) -> list[str]:
+        c = self.config
+        argv: list[str] = []
+        if os.geteuid() == 0:
+            setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+            argv += [setpriv, f"--reuid={c.run_as_uid}", f"--regid={c.run_as_uid}", "--clear-groups", "--"]
+        argv += [c.bwrap_path, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
+        argv += ["--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+        for link in ("bin", "lib", "lib64", "sbin"):
+            if os.path.islink(f"/{link}"):
+                argv += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
+        size = str(c.workdir_mb * 1024 * 1024)
+        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/work", "--size", size]
+        argv += ["--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/work", "--clearenv"]
+        argv += ["--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work", "--setenv", "LANG", "C.UTF-8"]
+        if seccomp_fd is not None:
+            argv += ["--seccomp", str(seccomp_fd)]
+        return [*argv, "--", *inner]
+
+    async def _probe(self) -> str:
+        """Check once that bubblewrap can build the sandbox here; '' when it can."""
+        if self._probed is None:
+            if not os.access(self.config.bwrap_path, os.X_OK):
+                self._probed = f"{self.config.bwrap_path} is not installed"
+            else:
+                fd = self._seccomp_fd()
+                try:
+                    proc = await asyncio.create_subprocess_exec(
+                        *self._bwrap_argv(["/usr/bin/true"], fd),
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=asyncio.subprocess.DEVNULL,
+                        stderr=asyncio.subprocess.PIPE,
+                        pass_fds=() if fd is None else (fd,),
+                    )
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+                _, err = await asyncio.wait_for(proc.communicate(), timeout=30)
+                self._probed = "" if proc.returncode == 0 else err.decode(errors="replace").strip()[:300]
+        return self._probed
+
+    async def _command(self, workdir: str, seccomp_fd: int | None) -> tuple[list[str], str | None]:
+        inner = [self.config.python, "-I", "-c", _BOOT, *self._limits()]
+        if self.config.isolation == "none":
+            if not self.config.allow_unisolated:
+                raise ToolError(
+                    "the code sandbox refuses to run without an isolation layer; set sandbox.allow_unisolated=true "
+                    "to accept running code with rlimits only",
+                    kind="unavailable",
+                )
+            return inner, workdir
+        why = await self._probe()
+        if why:
+            raise ToolError(
+                f"the code sandbox refuses to run: no working isolation layer ({why}); install bubblewrap or "
+                "explicitly configure isolation='none' with allow_unisolated=true",
+                kind="unavailable",
+            )
+        return self._bwrap_argv(inner, seccomp_fd), None
+
+    async def run(self, code: str) -> RunResult:
+        """Run ``code`` (Python source) and return its capped output and status."""
+        with tempfile.TemporaryDirectory(prefix="envhub-sbx-") as tmp:
+            fd = self._seccomp_fd()
+            try:
+                argv, cwd = await self._command(tmp, fd)
+                env = {"PATH": "/usr/bin", "HOME": cwd or "/", "LANG": "C.UTF-8"}  # nothing of the hub's env
+                t0 = time.monotonic()
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,
+                    pass_fds=() if fd is None else (fd,),
+                )
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            try:
+                return await self._supervise(proc, code, t0)
+            finally:
+                _kill_group(proc.pid)
+                await _reap(proc)
+
+    async def _supervise(self, proc: asyncio.subprocess.Process, code: str, t0: float) -> RunResult:
+        cap = self.config.max_output_bytes
+        out = bytearray()
+        err = bytearray()
+        capped = asyncio.Event()
+
+        async def pump(stream: asyncio.StreamReader | None, buf: bytearray) -> None:
+            assert stream is not None
+            while chunk := await stream.read(65536):
+                room = cap - len(out) - len(err)
+                buf += chunk[: max(0, room)]
+                if len(chunk) > room:
+                    capped.set()
+                    _kill_group(proc.pid)
+                    return
+
+        async def feed() -> None:
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                proc.stdin.write(code.encode())
+                await proc.stdin.drain()
+                proc.stdin.close()
+
+        timed_out = False
+        try:
+            async with asyncio.timeout(self.config.wall_s):
+                await asyncio.gather(feed(), pump(proc.stdout, out), pump(proc.stderr, err))
+                await proc.wait()
+        except TimeoutError:
+            timed_out = True
+            _kill_group(proc.pid)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), timeout=5)
+        rc = proc.returncode if proc.returncode is not None else -9
+        exit_code = 128 - rc if rc < 0 else rc
+        return RunResult(
+            exit_code=exit_code,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+            timed_out=timed_out,
+            output_capped=capped.is_set(),
+            elapsed_s=time.monotonic() - t0,
+        )
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """Wait for the killed process and drain its pipes to EOF, which closes the transport."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(5):
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    while await stream.read(65536):
+                        pass
+            await proc.wait()
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)

@@ -1,0 +1,1 @@
+"""Ready environments with deterministic graders in [0, 1]."""

@@ -1,0 +1,56 @@
+"""``code-math``: compute answers to math questions by running Python in the sandbox.
+
+Tool: ``run_python(code)`` runs the code in a fresh ``CodeSandbox`` process and returns
+its exit status and capped output. The grader compares the final answer numerically with
+the task's reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from envhub.base import Task, ToolEnvironment
+from envhub.config import EnvHubConfig
+from envhub.connectors.sandbox import CodeSandbox
+from envhub.envs._data import load_tasks
+from envhub.graders import grade_exact
+from envhub.rewards import Shaper
+from envhub.types import JSON, ToolResult, ToolSpec
+
+PYTHON_TOOL = ToolSpec(
+    name="run_python",
+    description="Run a Python 3 program in an isolated sandbox (no network, no files outside /work); "
+    "returns its exit status, stdout and stderr. Print what you need.",
+    parameters={
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "Python source code."}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
+)
+
+
+class CodeMathEnv(ToolEnvironment):
+    name = "code-math"
+    system_prompt = (
+        "Solve the math question. You may run Python with the run_python tool: write "
+        '<tool_call>{"name": "run_python", "arguments": {"code": "print(1 + 1)"}}</tool_call>. '
+        "Give the final answer as <answer>NUMBER</answer>."
+    )
+
+    def __init__(self, sandbox: CodeSandbox, tasks: tuple[Task, ...], shaper: Shaper | None = None) -> None:
+        super().__init__(tasks, shaper)
+        self.sandbox = sandbox
+        self.add_tool(PYTHON_TOOL, self._run)
+
+    async def _run(self, args: Mapping[str, JSON]) -> ToolResult:
+        result = await self.sandbox.run(str(args["code"]))
+        kind = "" if result.ok else ("timeout" if result.timed_out else "runtime")
+        return ToolResult("run_python", result.describe(), not result.ok, kind, result.elapsed_s)
+
+    def grade(self, task: Task, answer: str) -> float:
+        return grade_exact(answer, task.reference)
+
+
+def make(config: EnvHubConfig) -> CodeMathEnv:
+    return CodeMathEnv(CodeSandbox(config.sandbox), load_tasks("code_math", config.tasks_dir))

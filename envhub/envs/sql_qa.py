@@ -1,0 +1,56 @@
+"""``sql-qa``: answer questions about the bundled company database with read-only SQL.
+
+Tool: ``sql_query(query)`` runs one read-only statement (``SqliteReadOnly``). The grader
+compares the final answer with the task's reference (``graders.grade_exact``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from envhub.base import Task, ToolEnvironment
+from envhub.config import EnvHubConfig
+from envhub.connectors.sql import SqliteReadOnly
+from envhub.envs._data import BUNDLED_DB, load_tasks
+from envhub.graders import grade_exact
+from envhub.rewards import Shaper
+from envhub.types import JSON, ToolResult, ToolSpec
+
+SQL_TOOL = ToolSpec(
+    name="sql_query",
+    description="Run one read-only SQL (SQLite) SELECT statement against the company database; returns rows.",
+    parameters={
+        "type": "object",
+        "properties": {"query": {"type": "string", "description": "One SQL SELECT statement."}},
+        "required": ["query"],
+        "additionalProperties": False,
+    },
+)
+
+
+class SqlQaEnv(ToolEnvironment):
+    name = "sql-qa"
+
+    def __init__(self, db: SqliteReadOnly, tasks: tuple[Task, ...], shaper: Shaper | None = None) -> None:
+        super().__init__(tasks, shaper)
+        self.db = db
+        self.system_prompt = (
+            "You answer questions about a company database by calling the sql_query tool, then give the final "
+            "answer as <answer>...</answer>. To call a tool, write "
+            '<tool_call>{"name": "sql_query", "arguments": {"query": "..."}}</tool_call>.\nSchema:\n' + db.schema()
+        )
+        self.add_tool(SQL_TOOL, self._sql)
+
+    async def _sql(self, args: Mapping[str, JSON]) -> ToolResult:
+        return ToolResult("sql_query", await self.db.query(str(args["query"])))
+
+    def grade(self, task: Task, answer: str) -> float:
+        return grade_exact(answer, task.reference)
+
+    async def close(self) -> None:
+        self.db.close()
+
+
+def make(config: EnvHubConfig) -> SqlQaEnv:
+    db = SqliteReadOnly(config.sql_qa_db or BUNDLED_DB, config.sql)
+    return SqlQaEnv(db, load_tasks("sql_qa", config.tasks_dir))

@@ -1,0 +1,94 @@
+"""SSRF-safe HTTP against a real local server (acceptance point 3, network half)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from urllib.parse import quote
+
+import pytest
+
+from envhub.config import HttpConfig
+from envhub.connectors.http import SafeHttpClient, system_resolver
+from envhub.testsite import serve_test_site
+from server.errors import ToolError
+
+
+@pytest.fixture(scope="module")
+def site() -> Iterator[str]:
+    with serve_test_site() as url:
+        yield url
+
+
+def local_config(**kw: object) -> HttpConfig:
+    """The local test site is on 127.0.0.1: exempt exactly that address, any port."""
+    return HttpConfig(allowed_ports=(), allowed_private_networks=("127.0.0.1/32",), **kw)  # type: ignore[arg-type]
+
+
+async def test_default_config_blocks_the_local_site(site: str) -> None:
+    client = SafeHttpClient(HttpConfig(allowed_ports=()))
+    port = site.rsplit(":", 1)[1].strip("/")
+    for url in (site, f"http://localhost:{port}/", f"http://[::1]:{port}/", f"http://2130706433:{port}/"):
+        with pytest.raises(ToolError) as err:
+            await client.fetch(url)
+        assert err.value.kind == "blocked", url
+    await client.aclose()
+
+
+async def test_allowlisted_local_site_works(site: str) -> None:
+    client = SafeHttpClient(local_config())
+    result = await client.fetch(site + "products/blue-widget.html")
+    assert result.status == 200 and "Price: 42.50 EUR" in result.text()
+    assert result.addresses == ("127.0.0.1",)
+    await client.aclose()
+
+
+@pytest.mark.parametrize("target", ["http://169.254.169.254/latest/meta-data/", "http://10.0.0.1/", "http://[::1]/"])
+async def test_redirect_to_blocked_address_is_blocked(site: str, target: str) -> None:
+    client = SafeHttpClient(local_config())
+    with pytest.raises(ToolError) as err:
+        await client.fetch(site + "redirect?to=" + quote(target, safe=""))
+    assert err.value.kind == "blocked"
+    await client.aclose()
+
+
+async def test_allowed_redirect_is_followed_and_revalidated(site: str) -> None:
+    client = SafeHttpClient(local_config())
+    result = await client.fetch(site + "redirect?to=" + quote(site + "about.html", safe=""))
+    assert result.status == 200 and "founded in 2011" in result.text()
+    assert len(result.hops) == 2 and result.addresses == ("127.0.0.1", "127.0.0.1")
+    loop = SafeHttpClient(local_config(max_redirects=1))
+    with pytest.raises(ToolError, match="redirects"):
+        await loop.fetch(site + "redirect?to=" + quote(site + "redirect?to=" + quote(site, safe=""), safe=""))
+    await client.aclose()
+    await loop.aclose()
+
+
+async def test_dns_rebinding_connects_to_the_validated_address(site: str) -> None:
+    """The name first resolves to the (allowed) site, then to a metadata address.
+
+    The fetch resolves once and connects to the validated address, so it reaches the site
+    with the original Host header; a later hop that re-resolves is blocked.
+    """
+    port = int(site.rsplit(":", 1)[1].strip("/"))
+    answers = [["127.0.0.1"], ["169.254.169.254"]]
+    asked: list[str] = []
+
+    async def rebinding(host: str, p: int) -> list[str]:
+        if host != "rebind.test":
+            return await system_resolver(host, p)
+        asked.append(host)
+        return answers[min(len(asked), 2) - 1]
+
+    client = SafeHttpClient(local_config(), resolver=rebinding)
+    result = await client.fetch(f"http://rebind.test:{port}/index.html")
+    assert result.status == 200 and "Envhub Test Shop" in result.text() and asked == ["rebind.test"]
+    with pytest.raises(ToolError, match="metadata"):
+        await client.fetch(f"http://rebind.test:{port}/index.html")
+    await client.aclose()
+
+
+async def test_size_cap(site: str) -> None:
+    client = SafeHttpClient(local_config(max_bytes=10_000))
+    result = await client.fetch(site + "big")
+    assert result.truncated and len(result.body) == 10_000
+    await client.aclose()
