@@ -41,7 +41,7 @@ import numpy as np
 
 from engines.chat import HFTokenizer
 from engines.config import EmbeddedConfig
-from engines.sampling import sample
+from engines.sampling import raw_logprob, sample
 from engines.types import (
     EngineCounters,
     EngineHealth,
@@ -396,25 +396,29 @@ class EmbeddedEngine:
             version = self._version
             for seq in live:
                 assert seq.logits is not None
-                token, logprob = sample(seq.logits.double().numpy(), seq.request.params, seq.rng)
+                logits = seq.logits.double().numpy()
+                token, logprob = sample(logits, seq.request.params, seq.rng)
+                raw = (raw_logprob(logits, token),) if seq.request.params.raw_logprobs else ()
                 seq.ids.append(token)
                 seq.logits = None
                 seq.produced += 1
                 self.counters.generated_tokens += 1
                 if token in seq.stops:
-                    events.append((seq, self._finish(seq, FinishReason.STOP, (token, logprob))))
+                    events.append((seq, self._finish(seq, FinishReason.STOP, (token, logprob), raw)))
                 elif seq.produced >= seq.budget:
-                    events.append((seq, self._finish(seq, FinishReason.LENGTH, (token, logprob))))
+                    events.append((seq, self._finish(seq, FinishReason.LENGTH, (token, logprob), raw)))
                 else:
-                    events.append((seq, TokenChunk((token,), (logprob,), version)))
+                    events.append((seq, TokenChunk((token,), (logprob,), version, raw_logprobs=raw)))
         return events
 
-    def _finish(self, seq: _Seq, reason: FinishReason, last: tuple[int, float] | tuple[()]) -> TokenChunk:
+    def _finish(
+        self, seq: _Seq, reason: FinishReason, last: tuple[int, float] | tuple[()], raw: tuple[float, ...] = ()
+    ) -> TokenChunk:
         seq.finish = reason
         self._park(seq)
         usage = Usage(prompt_tokens=len(seq.request.token_ids), cached_tokens=seq.reused, generated_tokens=seq.produced)
         ids, logprobs = ((last[0],), (last[1],)) if last else ((), ())
-        return TokenChunk(ids, logprobs, self._version, finish_reason=reason, usage=usage)
+        return TokenChunk(ids, logprobs, self._version, finish_reason=reason, usage=usage, raw_logprobs=raw)
 
     # -- KV bookkeeping (worker thread) --------------------------------------------------------------
 

@@ -44,6 +44,11 @@ def processed_logprobs(logits: FloatArray, params: SamplingParams) -> FloatArray
     return logp
 
 
+def raw_logprob(logits: FloatArray, token: int) -> float:
+    """Logprob of ``token`` under the raw model distribution (temperature 1, no filtering)."""
+    return float(log_softmax(logits)[token])
+
+
 def sample(logits: FloatArray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, float]:
     """Sample one token; return it with its logprob under the sampling distribution."""
     if params.temperature > 0 and params.top_k == 0 and params.top_p >= 1.0:

@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, Sequence
 import numpy as np
 
 from engines.config import ToyConfig
-from engines.sampling import sample
+from engines.sampling import raw_logprob, sample
 from engines.types import (
     EngineCounters,
     EngineHealth,
@@ -141,6 +141,7 @@ class ToyEngine:
         produced = 0
         ids: list[int] = []
         logprobs: list[float] = []
+        raw: list[float] = []
         try:
             while produced < budget:
                 if request.request_id in self._aborted:
@@ -148,7 +149,10 @@ class ToyEngine:
                     break
                 if self.config.token_delay_s:
                     await asyncio.sleep(self.config.token_delay_s)
-                token, logprob = sample(self.logits(history), params, rng)
+                logits = self.logits(history)
+                token, logprob = sample(logits, params, rng)
+                if params.raw_logprobs:
+                    raw.append(raw_logprob(logits, token))
                 history.append(token)
                 ids.append(token)
                 logprobs.append(logprob)
@@ -160,12 +164,14 @@ class ToyEngine:
                     # Emit what we have and let other episodes and cancellation in. Not after
                     # every token: one event-loop turn costs ~100 us inside a grpc.aio server,
                     # more than a toy token, so tokens go out in batches as real engines do.
-                    yield TokenChunk(tuple(ids), tuple(logprobs), version)
-                    ids, logprobs = [], []
+                    yield TokenChunk(tuple(ids), tuple(logprobs), version, raw_logprobs=tuple(raw))
+                    ids, logprobs, raw = [], [], []
                     if not self.config.token_delay_s:
                         await asyncio.sleep(0)
             usage = Usage(prompt_tokens=prompt_len, cached_tokens=0, generated_tokens=produced)
-            yield TokenChunk(tuple(ids), tuple(logprobs), version, finish_reason=finish, usage=usage)
+            yield TokenChunk(
+                tuple(ids), tuple(logprobs), version, finish_reason=finish, usage=usage, raw_logprobs=tuple(raw)
+            )
         finally:
             self.counters.generated_tokens += produced
             self.counters.forward_passes += produced

@@ -52,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    raw_logprobs: bool = False  # also report logprobs under the raw (temperature-1) distribution
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first bad field."""
@@ -108,6 +109,7 @@ class TokenChunk:
     origins: tuple[Origin, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    raw_logprobs: tuple[float, ...] = ()  # when asked: logprob of each token at temperature 1, unfiltered
 
     def origins_or_sampled(self) -> tuple[Origin, ...]:
         return self.origins or (Origin.SAMPLED,) * len(self.token_ids)

@@ -1,6 +1,8 @@
-"""`make run`: start a real bridge process, run a multi-turn demo episode through it, stop it.
+"""`make run`: start a real bridge process, run a multi-turn chat episode through it, stop it.
 
-Prints each turn's token ids, text and logprobs, then the trajectory summary.
+The engine is the embedded SmolLM2-135M-Instruct (converted from the GGUF on PyPI into the model
+cache on first use, ~30 s; seconds afterwards); ``PRIMERL_DEMO_ENGINE=toy`` picks the toy engine.
+Prints each turn's text, token ids and logprobs, then the trajectory summary.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def free_port() -> int:
 
 
 def main() -> int:
-    engine = os.environ.get("PRIMERL_DEMO_ENGINE", "toy")
+    engine = os.environ.get("PRIMERL_DEMO_ENGINE", "embedded")
     port = free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--engine", engine, "--port", str(port), "--metrics-port", "0"]
     print(f"$ {' '.join(cmd[1:])}")
@@ -40,10 +42,14 @@ def main() -> int:
             )
             ep = client.start_episode(
                 [{"role": "user", "content": "What is 2+2?"}],
-                sampling={"temperature": 0.7, "max_tokens": 24, "seed": 1},
+                sampling={"temperature": 0.7, "max_tokens": 48, "seed": 1},
             )
             print(f"episode {ep.episode_id} on {ep.replica}, prompt of {ep.prompt_tokens} tokens")
-            observations = [None, [{"role": "user", "content": "Why?"}], [{"role": "user", "content": "Thanks!"}]]
+            observations = [
+                None,
+                [{"role": "user", "content": "And what is 3+5?"}],
+                [{"role": "user", "content": "Thanks! Say goodbye in French."}],
+            ]
             for observation in observations:
                 turn = client.step(ep.episode_id, observation)
                 print(
@@ -51,8 +57,9 @@ def main() -> int:
                     f"{turn.usage.cached_tokens} cached of {turn.usage.prompt_tokens} prompt) --"
                 )
                 print(f"text:     {turn.text!r}")
-                print(f"ids:      {turn.token_ids.tolist()}")
-                print(f"logprobs: {[round(float(x), 3) for x in turn.logprobs]}")
+                more = " ..." if len(turn.token_ids) > 16 else ""
+                print(f"ids:      {turn.token_ids.tolist()[:16]}{more}")
+                print(f"logprobs: {[round(float(x), 3) for x in turn.logprobs[:16]]}{more}")
             traj = client.end_episode(ep.episode_id, reward=1.0)
             sampled = int(traj.loss_mask.sum())
             print(

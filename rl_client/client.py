@@ -64,7 +64,7 @@ def _sampling(s: Sampling | Mapping[str, Any] | None) -> pb.SamplingParams:
     if isinstance(s, Mapping):
         s = Sampling(**s)
     p = pb.SamplingParams(stop_token_ids=list(s.stop_token_ids))
-    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos"):
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "raw_logprobs"):
         value = getattr(s, name)
         if value is not None:
             setattr(p, name, value)
@@ -89,7 +89,9 @@ def _usage(u: pb.Usage) -> Usage:
     return Usage(u.prompt_tokens, u.cached_tokens, u.generated_tokens)
 
 
-def _turn_result(ids: list[int], logprobs: list[float], origins: list[str], done: pb.TurnDone) -> TurnResult:
+def _turn_result(
+    ids: list[int], logprobs: list[float], origins: list[str], done: pb.TurnDone, raw: list[float] | None = None
+) -> TurnResult:
     return TurnResult(
         token_ids=np.asarray(ids, dtype=np.int32),
         logprobs=np.asarray(logprobs, dtype=np.float32),
@@ -99,6 +101,7 @@ def _turn_result(ids: list[int], logprobs: list[float], origins: list[str], done
         usage=_usage(done.usage),
         policy_version=done.policy_version,
         turn_index=done.turn_index,
+        raw_logprobs=np.asarray(raw, dtype=np.float32) if raw else None,
     )
 
 
@@ -131,6 +134,7 @@ def _trajectory(t: pb.Trajectory) -> Trajectory:
         turn_rewards=list(t.turn_rewards),
         metadata=dict(t.metadata),
         duration_ms=t.duration_ms,
+        raw_logprobs=np.asarray(t.raw_logprobs, dtype=np.float32) if t.raw_logprobs else None,
     )
 
 
@@ -234,14 +238,16 @@ class AsyncBridgeClient:
         ids: list[int] = []
         logprobs: list[float] = []
         origins: list[str] = []
+        raw: list[float] = []
         try:
             async for c in call:
                 names = [ORIGINS[o] for o in c.origins]
                 ids.extend(c.token_ids)
                 logprobs.extend(c.logprobs)
                 origins.extend(names)
-                done = _turn_result(ids, logprobs, origins, c.done) if c.HasField("done") else None
-                yield Chunk(list(c.token_ids), list(c.logprobs), names, c.text, done)
+                raw.extend(c.raw_logprobs)
+                done = _turn_result(ids, logprobs, origins, c.done, raw) if c.HasField("done") else None
+                yield Chunk(list(c.token_ids), list(c.logprobs), names, c.text, done, list(c.raw_logprobs))
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         finally:
@@ -261,7 +267,8 @@ class AsyncBridgeClient:
         try:
             async for c in call:
                 if c.HasField("done"):
-                    return _turn_result(list(c.token_ids), list(c.logprobs), [ORIGINS[o] for o in c.origins], c.done)
+                    origins = [ORIGINS[o] for o in c.origins]
+                    return _turn_result(list(c.token_ids), list(c.logprobs), origins, c.done, list(c.raw_logprobs))
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         raise BridgeError(grpc.StatusCode.INTERNAL, "the bridge ended the Step stream without a final chunk")

@@ -25,6 +25,7 @@ class Sampling:
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None
     ignore_eos: bool | None = None
+    raw_logprobs: bool | None = None  # also return logprobs under the raw (temperature-1) distribution
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class Chunk:
     origins: list[str]
     text: str
     done: TurnResult | None = None
+    raw_logprobs: list[float] = field(default_factory=list)  # only when sampling.raw_logprobs was set
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,7 @@ class TurnResult:
     usage: Usage
     policy_version: int
     turn_index: int
+    raw_logprobs: npt.NDArray[np.float32] | None = None  # only when sampling.raw_logprobs was set
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,8 @@ class Trajectory:
     turn_rewards: list[float]
     metadata: dict[str, str] = field(default_factory=dict)
     duration_ms: float = 0.0
+    # Raw (temperature-1) logprobs, NaN where not sampled or not asked; None if no turn asked for them.
+    raw_logprobs: npt.NDArray[np.float32] | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])

@@ -56,6 +56,7 @@ class SamplingOverrides:
     stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
     ignore_eos: bool | None = None
+    raw_logprobs: bool | None = None
 
     def apply(self, base: SamplingParams) -> SamplingParams:
         changes = {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None}
@@ -103,6 +104,7 @@ class StepUpdate:
     logprobs: tuple[float, ...]
     origins: tuple[Origin, ...]
     turn: Turn | None = None
+    raw_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,14 +307,17 @@ class Bridge:
                         if turn.ttft_ms == 0.0:
                             turn.ttft_ms = (time.perf_counter() - turn.started) * 1e3
                         origins = chunk.origins_or_sampled()
-                        episode.append(chunk.token_ids, chunk.logprobs, origins, chunk.policy_version)
+                        episode.append(
+                            chunk.token_ids, chunk.logprobs, origins, chunk.policy_version, chunk.raw_logprobs
+                        )
                         turn.end = len(episode.token_ids)
                         turn.policy_version = chunk.policy_version
+                    raw = chunk.raw_logprobs
                     if chunk.finish_reason is None:
-                        yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled())
+                        yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled(), None, raw)
                     else:
                         self._close(turn, chunk.finish_reason, chunk.usage)
-                        yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled(), turn)
+                        yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled(), turn, raw)
                         return
             raise EngineError(f"engine {engine.info.replica!r} ended the stream without a finish reason")
         except TimeoutError:

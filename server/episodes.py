@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engines.types import FinishReason, Origin, SamplingParams, Usage
@@ -50,6 +50,7 @@ class Episode:
     metadata: dict[str, str]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)  # NaN where not sampled or not asked for
     origins: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     prompt_length: int = 0
@@ -59,7 +60,14 @@ class Episode:
     # A GRPO group (or an explicit group id): engines may share the prompt's KV among its members.
     shares_prompt: bool = False
 
-    def append(self, ids: Iterable[int], logprobs: Iterable[float], origins: Iterable[int], version: int) -> int:
+    def append(
+        self,
+        ids: Iterable[int],
+        logprobs: Iterable[float],
+        origins: Iterable[int],
+        version: int,
+        raw_logprobs: Sequence[float] = (),
+    ) -> int:
         """Append tokens with their metadata; returns how many were appended."""
         before = len(self.token_ids)
         self.token_ids.extend(ids)
@@ -67,6 +75,7 @@ class Episode:
         self.origins.extend(origins)
         n = len(self.token_ids) - before
         self.versions.extend([version] * n)
+        self.raw_logprobs.extend(raw_logprobs if len(raw_logprobs) == n else [NAN] * n)
         return n
 
     def append_unsampled(self, ids: list[int], origin: Origin, version: int) -> None:

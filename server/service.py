@@ -8,6 +8,7 @@ anything else is a bug, logged with its traceback and reported as INTERNAL witho
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -48,6 +49,7 @@ def _overrides(p: pb.SamplingParams) -> SamplingOverrides:
         stop_token_ids=tuple(p.stop_token_ids) if p.stop_token_ids else None,
         seed=p.seed if p.HasField("seed") else None,
         ignore_eos=p.ignore_eos if p.HasField("ignore_eos") else None,
+        raw_logprobs=p.raw_logprobs if p.HasField("raw_logprobs") else None,
     )
 
 
@@ -114,6 +116,8 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         ids: list[int] = []  # every token of the turn so far
         pending = 0  # how many of them are not sent yet
         logprobs: list[float] = []
+        raw: list[float] = []  # raw (temperature-1) logprobs, sent only if the engine reports them
+        raw_seen = False
         origins: list[int] = []
         last_sent = 0.0
         try:
@@ -123,6 +127,8 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             async for u in updates:
                 ids.extend(u.token_ids)
                 logprobs.extend(u.logprobs)
+                raw_seen = raw_seen or bool(u.raw_logprobs)
+                raw.extend(u.raw_logprobs if len(u.raw_logprobs) == len(u.token_ids) else [math.nan] * len(u.token_ids))
                 origins.extend(u.origins)
                 pending += len(u.token_ids)
                 if u.turn is None:
@@ -133,7 +139,10 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                         continue  # coalesce: tokens are arriving faster than chunks are worth sending
                     last_sent = now
                 start = len(ids) - pending
-                yield self._chunk(ids[start:], logprobs[start:], origins[start:], u.turn, ids)
+                chunk = self._chunk(ids[start:], logprobs[start:], origins[start:], u.turn, ids)
+                if raw_seen:
+                    chunk.raw_logprobs.extend(raw[start:])
+                yield chunk
                 pending = 0
         except Exception as exc:
             await _abort(context, exc)
@@ -197,6 +206,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             metadata=ep.metadata,
             duration_ms=result.duration_ms,
             group_index=ep.group_index,
+            raw_logprobs=ep.raw_logprobs if any(not math.isnan(x) for x in ep.raw_logprobs) else (),
         )
         for t in ep.turns:
             traj.turns.add(

@@ -102,6 +102,28 @@ async def test_greedy_equals_transformers_generate_and_logprobs_match_full_forwa
         np.testing.assert_allclose(turn.logprobs, want, atol=1e-4, rtol=0)
 
 
+async def test_raw_logprobs_are_the_temperature_one_distribution(embedded: Bridge, reference: Any) -> None:
+    server, client = embedded
+    prompt = _chat(server, "Name a fruit.")
+    sampling = {"temperature": 0.7, "max_tokens": 12, "seed": 2, "raw_logprobs": True}
+    ep = (await client.start_episode(prompt, sampling=sampling)).episode_id
+    turn = await client.step(ep)
+    traj = await client.end_episode(ep)
+    ids = turn.token_ids.tolist()
+    with torch.inference_mode():
+        logits = reference(torch.tensor([prompt + ids])).logits[0].double()
+    rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(ids))
+    picked = torch.tensor(ids)
+    raw = torch.log_softmax(logits, -1)[rows, picked].numpy()
+    tempered = torch.log_softmax(logits / 0.7, -1)[rows, picked].numpy()
+    assert turn.raw_logprobs is not None
+    np.testing.assert_allclose(turn.raw_logprobs, raw, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(turn.logprobs, tempered, atol=1e-4, rtol=0)
+    assert traj.raw_logprobs is not None
+    assert np.isnan(traj.raw_logprobs[: len(prompt)]).all()
+    np.testing.assert_array_equal(traj.raw_logprobs[len(prompt) :], turn.raw_logprobs)
+
+
 async def test_five_turns_prefill_only_new_tokens_and_eviction_recomputes_identically(embedded: Bridge) -> None:
     server, client = embedded
     engine = _engine(server)

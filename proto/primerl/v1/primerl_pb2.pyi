@@ -106,6 +106,7 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    RAW_LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature, >= 0. 0 means greedy decoding."""
     top_p: _builtins.float
@@ -119,6 +120,11 @@ class SamplingParams(_message.Message):
     ignore_eos: _builtins.bool
     """Set to true to ignore the model's own end-of-turn tokens (stop only on
     stop_token_ids or max_tokens).
+    """
+    raw_logprobs: _builtins.bool
+    """Also report each sampled token's logprob under the raw model distribution (temperature 1,
+    no top-k/top-p), e.g. for a KL term or to train at another temperature. NaN where the
+    engine cannot report it.
     """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -136,15 +142,18 @@ class SamplingParams(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         seed: _builtins.int | None = ...,
         ignore_eos: _builtins.bool | None = ...,
+        raw_logprobs: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_raw_logprobs", b"_raw_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "raw_logprobs", b"raw_logprobs", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_raw_logprobs", b"_raw_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "raw_logprobs", b"raw_logprobs", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ignore_eos: _TypeAlias = _typing.Literal["ignore_eos"]  # noqa: Y015
     _WhichOneofArgType__ignore_eos: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__raw_logprobs: _TypeAlias = _typing.Literal["raw_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__raw_logprobs: _TypeAlias = _typing.Literal["_raw_logprobs", b"_raw_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
@@ -157,6 +166,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ignore_eos) -> _WhichOneofReturnType__ignore_eos | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__raw_logprobs) -> _WhichOneofReturnType__raw_logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
@@ -502,6 +513,7 @@ class StepChunk(_message.Message):
     ORIGINS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    RAW_LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Detokenized text of this chunk, when the engine has a tokenizer."""
     @_builtins.property
@@ -520,6 +532,10 @@ class StepChunk(_message.Message):
     def done(self) -> Global___TurnDone:
         """Set on the last chunk only."""
 
+    @_builtins.property
+    def raw_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Raw (temperature-1) logprob of each token; only when sampling.raw_logprobs is set."""
+
     def __init__(
         self,
         *,
@@ -528,10 +544,11 @@ class StepChunk(_message.Message):
         origins: _abc.Iterable[Global___TokenOrigin.ValueType] | None = ...,
         text: _builtins.str = ...,
         done: Global___TurnDone | None = ...,
+        raw_logprobs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "logprobs", b"logprobs", "origins", b"origins", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "logprobs", b"logprobs", "origins", b"origins", "raw_logprobs", b"raw_logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -662,6 +679,7 @@ class Trajectory(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     DURATION_MS_FIELD_NUMBER: _builtins.int
     GROUP_INDEX_FIELD_NUMBER: _builtins.int
+    RAW_LOGPROBS_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     group_id: _builtins.str
     model: _builtins.str
@@ -697,6 +715,12 @@ class Trajectory(_message.Message):
     def turn_rewards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def raw_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Raw (temperature-1) logprob of each token; NaN where not sampled or not asked for.
+        Empty when no turn of the episode asked for raw logprobs.
+        """
+
     def __init__(
         self,
         *,
@@ -715,10 +739,11 @@ class Trajectory(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         duration_ms: _builtins.float = ...,
         group_index: _builtins.int = ...,
+        raw_logprobs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_ms", b"duration_ms", "episode_id", b"episode_id", "group_id", b"group_id", "group_index", b"group_index", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "metadata", b"metadata", "model", b"model", "origins", b"origins", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "rewards", b"rewards", "token_ids", b"token_ids", "turn_rewards", b"turn_rewards", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_ms", b"duration_ms", "episode_id", b"episode_id", "group_id", b"group_id", "group_index", b"group_index", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "metadata", b"metadata", "model", b"model", "origins", b"origins", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "raw_logprobs", b"raw_logprobs", "rewards", b"rewards", "token_ids", b"token_ids", "turn_rewards", b"turn_rewards", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
