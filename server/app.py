@@ -22,6 +22,7 @@ from observability.metrics import BridgeMetrics, MetricsEndpoint, poll_engine_he
 from observability.tracing import Tracing
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
+from server.auth import AuthInterceptor, load_tenants, server_credentials
 from server.bridge import Bridge
 from server.config import Settings
 from server.service import PrimeRLService
@@ -100,15 +101,21 @@ async def create_server(
     bridge = Bridge([tracing.wrap(e) for e in engines], settings.admission, settings.sampling, metrics)
     metrics.attach(bridge)
     limit = settings.server.max_message_bytes
+    tenants = load_tenants(settings.auth)
+    credentials = server_credentials(settings.tls)
+    interceptors: list[grpc.aio.ServerInterceptor] = [TelemetryInterceptor(metrics, tracing)]
+    if tenants:  # outermost is telemetry, so refused calls are counted too
+        interceptors.append(AuthInterceptor(tenants))
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
-        interceptors=[TelemetryInterceptor(metrics, tracing)],
+        interceptors=interceptors,
     )
     pb_grpc.add_PrimeRLServicer_to_server(PrimeRLService(bridge, settings.server.stream_interval_ms), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{settings.server.host}:{settings.server.port}")
+    address = f"{settings.server.host}:{settings.server.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {settings.server.host}:{settings.server.port}")
     endpoint = MetricsEndpoint(metrics.registry, settings.server.host, settings.metrics.port)

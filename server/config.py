@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from engines.config import EngineConfig
 from envhub.config import EnvHubConfig
+from server.auth import AuthConfig, TlsConfig
 
 
 class ServerConfig(BaseModel):
@@ -95,6 +96,8 @@ class Settings(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
     envhub: EnvHubConfig = Field(default_factory=EnvHubConfig, description="Env hub: tool connectors and loop.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer-token authentication and tenants.")
+    tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS / mutual TLS of the gRPC port.")
 
     @classmethod
     def settings_customise_sources(

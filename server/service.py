@@ -17,6 +17,7 @@ import grpc
 from engines.types import Message
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
+from server.auth import current_tenant
 from server.bridge import Bridge, EndRequest, SamplingOverrides, StartRequest, StepRequest
 from server.episodes import Turn
 from server.errors import PrimeRLError
@@ -68,7 +69,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         self.stream_interval_s = stream_interval_ms / 1e3
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
-        return ""
+        return current_tenant.get()  # set by server.auth.AuthInterceptor; "" when auth is off
 
     def _decode(self, ids: Sequence[int]) -> str:
         tok = self.bridge.tokenizer
