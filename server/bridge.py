@@ -42,6 +42,7 @@ from server.errors import (
     Unimplemented,
 )
 
+MAX_POLICY_VERSION = 2**63 - 1
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
@@ -366,6 +367,8 @@ class Bridge:
         self._check_model(model)
         current = self.policy_version
         version = policy_version or current + 1
+        if version > MAX_POLICY_VERSION:
+            raise InvalidArgument(f"policy_version must be at most {MAX_POLICY_VERSION} (int64), got {version}")
         if version <= current:
             raise InvalidArgument(f"policy_version {version} must be greater than the current version {current}")
         if not self.info.supports_weight_updates:
