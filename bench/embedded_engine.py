@@ -17,13 +17,15 @@ import argparse
 import asyncio
 import resource
 import statistics
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from _common import record
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import record
 from engines.config import EmbeddedConfig
 from engines.embedded import EmbeddedEngine
 from engines.types import GenerateRequest, Message, SamplingParams
