@@ -456,10 +456,15 @@ class EmbeddedEngine:
         self.counters.extra["deferred_decode_tokens"] += seq.deferred
 
     def _park(self, seq: _Seq) -> None:
-        """Keep a finished sequence's KV for its episode's next turn."""
+        """Keep a finished sequence's KV for its episode's next turn.
+
+        An aborted turn's KV is dropped: its episode may already have been ended and released
+        while the abort was on its way here, and parking it then would leak it until evicted.
+        """
         if seq.in_batch:
             self._unpack()
-        if seq.cache is None or seq.cached == 0 or not seq.request.episode_id:
+        if seq.cache is None or seq.cached == 0 or not seq.request.episode_id or seq.finish == FinishReason.ABORT:
+            seq.cache = None
             return
         cache, seq.cache = seq.cache, None
         logits = seq.logits if seq.cached == len(seq.ids) else None
