@@ -45,9 +45,13 @@ class AuthConfig(BaseModel):
 
     token_hashes: list[str] = Field(
         default_factory=list,
-        description="Entries 'TENANT:SHA256HEX' (sha256 of the bearer token); `primerl hash-token` prints one.",
+        description="Entries 'TENANT:SHA256HEX' (sha256 of the bearer token); `primerl hash-token TENANT` makes one.",
     )
     tokens_file: str = Field("", description="File with one 'TENANT:SHA256HEX' per line ('#' comments allowed).")
+    admin_tenants: list[str] = Field(
+        default_factory=list,
+        description="Tenants allowed to call UpdateWeights when authentication is on; empty allows none.",
+    )
 
 
 class TlsConfig(BaseModel):
@@ -83,6 +87,11 @@ def load_tenants(config: AuthConfig) -> dict[str, str]:
         if not tenant.strip() or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise InvalidArgument(f"{where}: expected 'TENANT:SHA256HEX' (64 hex digits), got {entry[:80]!r}")
         tenants[digest] = tenant.strip()
+    if entries and not tenants:  # configured, but nothing usable: never fall back to no authentication
+        raise InvalidArgument(
+            "authentication is configured (auth.token_hashes / auth.tokens_file) but has no 'TENANT:SHA256HEX' "
+            "entry; refusing to start without authentication"
+        )
     return tenants
 
 
@@ -119,8 +128,9 @@ def _bearer(metadata: Any) -> str | None:
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates each call and runs its handler with ``current_tenant`` set."""
 
-    def __init__(self, tenants: dict[str, str]) -> None:
+    def __init__(self, tenants: dict[str, str], admin_tenants: list[str] | None = None) -> None:
         self._tenants = tenants
+        self._admins = frozenset(admin_tenants or ())
 
     def _tenant_for(self, token: str | None) -> str | None:
         if not token:
@@ -146,7 +156,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             message = "missing bearer token" if not token else "invalid bearer token"
             return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, f"{message}: send 'authorization: Bearer <token>'")
         if method in ADMIN_METHODS:
-            audit.info("tenant %r called %s", tenant, method)
+            allowed = tenant in self._admins
+            audit.info("tenant %r called %s: %s", tenant, method, "allowed" if allowed else "denied")
+            if not allowed:
+                message = f"tenant {tenant!r} may not call {method.rsplit('/', 1)[-1]}; list it in auth.admin_tenants"
+                return _deny(handler, grpc.StatusCode.PERMISSION_DENIED, message)
         return _with_tenant(handler, tenant)
 
 

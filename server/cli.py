@@ -51,7 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO", help="logging level")
     add_placement_parser(sub)
     add_engine_parser(sub)
+    token = sub.add_parser(
+        "hash-token", help="print an auth entry TENANT:SHA256HEX for a bearer token read from stdin (or --new)"
+    )
+    token.add_argument("tenant", help="tenant the token belongs to")
+    token.add_argument("--new", action="store_true", help="generate a random token (printed once, on stderr)")
     return parser
+
+
+def _hash_token(args: argparse.Namespace) -> int:
+    import secrets
+
+    from server.auth import hash_token
+
+    if not args.tenant.strip() or ":" in args.tenant:
+        print("primerl: the tenant must be non-empty and contain no ':'", file=sys.stderr)
+        return 2
+    if args.new:
+        value = secrets.token_urlsafe(32)
+        print(f"token (give it to the client, it is not stored): {value}", file=sys.stderr)
+    else:
+        value = sys.stdin.readline().strip()
+        if not value:
+            print("primerl: no token on stdin (pipe one in, or pass --new)", file=sys.stderr)
+            return 2
+    print(f"{args.tenant}:{hash_token(value)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_placement(args)
     if args.command == "engine":
         return run_engine_command(args)
+    if args.command == "hash-token":
+        return _hash_token(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         try:

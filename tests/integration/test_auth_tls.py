@@ -53,9 +53,32 @@ async def test_tokens_are_required_and_tenants_are_isolated(start_bridge: Any) -
             await c.close()
 
 
+async def test_only_admin_tenants_may_update_weights(start_bridge: Any, caplog: pytest.LogCaptureFixture) -> None:
+    server, _ = await start_bridge(auth=AUTH | {"admin_tenants": ["alice"]})
+    target = f"127.0.0.1:{server.port}"
+    alice = AsyncBridgeClient(target, token=ALICE)
+    bob = AsyncBridgeClient(target, token=BOB)
+    try:
+        with caplog.at_level("INFO", logger="primerl.audit"):
+            with pytest.raises(PermissionDeniedError, match="tenant 'bob' may not call UpdateWeights"):
+                await bob.update_weights()
+            assert await alice.update_weights() == 1
+        audit = [r.getMessage() for r in caplog.records if r.name == "primerl.audit"]
+        assert any("'bob'" in m and "denied" in m for m in audit)
+        assert any("'alice'" in m and "allowed" in m for m in audit)
+        assert not any(ALICE in m or BOB in m for m in audit)  # never the tokens
+    finally:
+        await alice.close()
+        await bob.close()
+
+
 async def test_malformed_token_entries_are_refused_at_start(start_bridge: Any, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match=r"auth.token_hashes\[0\]: expected 'TENANT:SHA256HEX'"):
         await start_bridge(auth={"token_hashes": ["alice:deadbeef"]})
+    empty = tmp_path / "empty"
+    empty.write_text("# no tenants yet\n\n")
+    with pytest.raises(InvalidArgument, match="refusing to start without authentication"):
+        await start_bridge(auth={"tokens_file": str(empty)})
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# tenants\nalice:{hash_token(ALICE)}\n\n")
     server, _ = await start_bridge(auth={"tokens_file": str(tokens)})
@@ -148,3 +171,17 @@ async def test_tls_config_errors_are_clear(start_bridge: Any, pki: dict[str, Pat
         await start_bridge(tls={"cert_file": str(pki["server_crt"]), "key_file": "/nonexistent"})
     with pytest.raises(InvalidArgument, match=r"tls\.client_ca_file needs tls\.cert_file"):
         await start_bridge(tls={"client_ca_file": str(pki["ca"])})
+
+
+def test_hash_token_cli_prints_the_entry_the_bridge_accepts() -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "server", "hash-token", "carol"]
+    out = subprocess.run(cmd, input=ALICE, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"carol:{hash_token(ALICE)}"
+    new = subprocess.run([*cmd, "--new"], capture_output=True, text=True)
+    token = new.stderr.rsplit(":", 1)[1].strip()
+    assert new.stdout.strip() == f"carol:{hash_token(token)}" and len(token) >= 32
+    bad = subprocess.run(cmd, input="", capture_output=True, text=True)
+    assert bad.returncode == 2 and "no token on stdin" in bad.stderr
