@@ -9,13 +9,14 @@ with BridgeClient("localhost:50051") as bridge:
 
 from rl_client.client import AsyncBridgeClient, BridgeClient, run_episodes
 from rl_client.errors import BridgeError
-from rl_client.types import Chunk, Message, Sampling, Started, Trajectory, TurnResult
+from rl_client.types import Chunk, EnvStatus, Message, Sampling, Started, Trajectory, TurnResult
 
 __all__ = [
     "AsyncBridgeClient",
     "BridgeClient",
     "BridgeError",
     "Chunk",
+    "EnvStatus",
     "Message",
     "Sampling",
     "Started",

@@ -27,6 +27,7 @@ from rl_client.types import (
     FINISH_REASONS,
     ORIGINS,
     Chunk,
+    EnvStatus,
     Message,
     Prompt,
     Sampling,
@@ -102,7 +103,13 @@ def _turn_result(
         policy_version=done.policy_version,
         turn_index=done.turn_index,
         raw_logprobs=np.asarray(raw, dtype=np.float32) if raw else None,
+        env=_env_status(done.env) if done.HasField("env") else None,
     )
+
+
+def _env_status(e: pb.EnvStatus) -> EnvStatus:
+    reward = e.reward if e.HasField("reward") else None
+    return EnvStatus(e.done, reward, e.reason, e.tool_calls, e.turns, e.truncated, e.error)
 
 
 def _trajectory(t: pb.Trajectory) -> Trajectory:
@@ -179,7 +186,7 @@ class AsyncBridgeClient:
 
     async def start_episode(
         self,
-        prompt: Prompt,
+        prompt: Prompt = (),
         *,
         model: str = "",
         sampling: Sampling | Mapping[str, Any] | None = None,
@@ -187,9 +194,16 @@ class AsyncBridgeClient:
         group_id: str = "",
         tools: Sequence[Mapping[str, Any] | str] = (),
         metadata: Mapping[str, str] | None = None,
+        env: str = "",
+        env_task_id: str = "",
+        env_seed: int | None = None,
         timeout: float | None = None,
     ) -> Started:
-        """Open an episode (or a GRPO group of ``group_size``) from token ids or chat messages."""
+        """Open an episode (or a GRPO group of ``group_size``) from token ids or chat messages.
+
+        With ``env`` (an env hub environment, e.g. "sql-qa") the environment supplies the prompt
+        (leave ``prompt`` and ``tools`` empty) and each ``step`` runs its tool loop on the bridge.
+        """
         req = pb.StartEpisodeRequest(
             model=model,
             sampling=_sampling(sampling),
@@ -197,8 +211,14 @@ class AsyncBridgeClient:
             group_id=group_id,
             tool_schemas_json=[t if isinstance(t, str) else json.dumps(t) for t in tools],
             metadata=dict(metadata or {}),
+            env=env,
+            env_task_id=env_task_id,
         )
-        if _is_token_ids(prompt):
+        if env_seed is not None:
+            req.env_seed = env_seed
+        if not prompt and env:
+            pass  # no prompt field: the environment renders the prompt
+        elif _is_token_ids(prompt):
             req.prompt_token_ids.ids.extend(int(x) for x in prompt)  # type: ignore[arg-type]
         else:
             req.prompt_messages.CopyFrom(_messages(prompt))  # type: ignore[arg-type]
@@ -211,6 +231,7 @@ class AsyncBridgeClient:
             resp.placement.engine,
             resp.placement.replica,
             resp.prompt_tokens,
+            resp.env_task_id,
         )
 
     def _step_request(
@@ -408,7 +429,7 @@ class BridgeClient:
         """The underlying async client (use it only from ``run_episodes`` rollouts)."""
         return self._client
 
-    def start_episode(self, prompt: Prompt, **kwargs: Any) -> Started:
+    def start_episode(self, prompt: Prompt = (), **kwargs: Any) -> Started:
         return self._run(self._client.start_episode(prompt, **kwargs))
 
     def step(self, episode_id: str, observation: Prompt | None = None, **kwargs: Any) -> TurnResult:

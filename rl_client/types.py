@@ -55,6 +55,7 @@ class Started:
     engine: str
     replica: str
     prompt_tokens: int
+    env_task_id: str = ""  # the environment's task, for episodes started with ``env``
 
     @property
     def episode_id(self) -> str:
@@ -74,6 +75,19 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
+class EnvStatus:
+    """Where an episode's server-side tool loop stands after a Step (episodes started with ``env``)."""
+
+    done: bool  # the environment graded the episode; end it
+    reward: float | None  # the grader's reward, once done
+    reason: str  # final_answer, max_tool_calls, context_exhausted, max_turns, env_error, aborted
+    tool_calls: int  # executed in the episode so far
+    turns: int  # model turns run by this Step
+    truncated: bool = False
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class TurnResult:
     """One completed turn."""
 
@@ -86,6 +100,9 @@ class TurnResult:
     policy_version: int
     turn_index: int
     raw_logprobs: npt.NDArray[np.float32] | None = None  # only when sampling.raw_logprobs was set
+    # Episodes with an environment: the tool loop's state. The arrays then hold every token of the
+    # Step in order (each turn's sampled tokens and the tool results between them, origin "env").
+    env: EnvStatus | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Server assembly and lifecycle: ``create_server`` builds a ready-to-start bridge.
 
 Shutdown order (``BridgeServer.stop``): health NOT_SERVING -> stop accepting RPCs ->
-drain in-flight Steps for the grace period -> close engines -> stop /metrics and flush traces.
+drain in-flight Steps for the grace period -> close open episodes' environments -> close engines ->
+stop /metrics and flush traces.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class BridgeServer:
         grace = self.settings.server.grace_period_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        await self.bridge.close()  # environments of episodes still open
         for engine in self.bridge.engines:
             await engine.close()
         if self._health_poll is not None:
@@ -98,14 +100,17 @@ async def create_server(
     tracing = tracing if tracing is not None else Tracing.from_env()
     engines = list(engines) if engines is not None else await make_engines(settings.engine)
     metrics = BridgeMetrics()
-    bridge = Bridge([tracing.wrap(e) for e in engines], settings.admission, settings.sampling, metrics)
+    bridge = Bridge([tracing.wrap(e) for e in engines], settings.admission, settings.sampling, metrics, settings.envhub)
     metrics.attach(bridge)
     limit = settings.server.max_message_bytes
     tenants = load_tenants(settings.auth)
     credentials = server_credentials(settings.tls)
     interceptors: list[grpc.aio.ServerInterceptor] = [TelemetryInterceptor(metrics, tracing)]
     if tenants:  # outermost is telemetry, so refused calls are counted too
-        interceptors.append(AuthInterceptor(tenants))
+        interceptors.append(AuthInterceptor(tenants, settings.auth.admin_tenants))
+        log.info("authentication on: %d token(s), admin tenants %s", len(tenants), settings.auth.admin_tenants)
+    else:
+        log.info("authentication off: any client may call the bridge (configure auth.* to require tokens)")
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
         interceptors=interceptors,

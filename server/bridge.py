@@ -5,6 +5,12 @@ here is testable without sockets. Data flow of one turn: validate everything fir
 is written for a bad request) -> mark the episode busy -> append the observation -> stream the
 engine's tokens into the episode as they arrive -> close the turn (always, also on cancel,
 deadline or engine failure, with finish reason ABORT and the partial tokens kept).
+
+Episodes started with ``env`` run the env hub's tool loop server-side (``server.envsession``):
+one Step samples a turn, lets the environment handle it, and while the loop continues appends
+its tool results as env tokens (loss mask 0, streamed to the client in order) and samples the
+next turn. Every turn is a ``Turn`` of its own, closed like any other; the Step's deadline
+covers the whole loop.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ from engines.types import (
     WeightUpdate,
     check_token_ids,
 )
+from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
 from placement.router import StickyLeastLoaded
 from server.config import AdmissionConfig, SamplingDefaults
-from server.episodes import Episode, EpisodeStore, Turn
+from server.envsession import EnvOutcome, EnvSession, check_env_name, close_all, open_env_sessions
+from server.episodes import NAN, Episode, EpisodeStore, Turn
 from server.errors import (
     DeadlineExceeded,
     EngineError,
@@ -75,6 +83,9 @@ class StartRequest:
     group_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     tenant: str = ""
+    env: str = ""  # an env hub environment: it supplies the prompt and Step runs its tool loop
+    env_task_id: str = ""
+    env_seed: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +96,7 @@ class StartResult:
     engine: str
     replica: str
     prompt_tokens: int
+    env_task_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,13 +111,20 @@ class StepRequest:
 
 @dataclass(frozen=True, slots=True)
 class StepUpdate:
-    """Tokens appended to the episode since the last update; ``turn`` is set on the last one."""
+    """Tokens appended to the episode since the last update.
+
+    ``turn`` is set on an update that closes a turn; ``last`` is False when the tool loop
+    samples another turn in the same Step. The Step's final update has ``turn`` and ``last``
+    (and ``env`` for episodes with an environment).
+    """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     origins: tuple[Origin, ...]
     turn: Turn | None = None
     raw_logprobs: tuple[float, ...] = ()
+    last: bool = True
+    env: EnvOutcome | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +153,7 @@ class Bridge:
         admission: AdmissionConfig,
         defaults: SamplingDefaults,
         metrics: BridgeMetrics | None = None,
+        envhub: EnvHubConfig | None = None,
     ) -> None:
         if not engines:
             raise ValueError("a bridge needs at least one engine replica")
@@ -151,6 +171,8 @@ class Bridge:
         self.router = StickyLeastLoaded(len(self.engines))
         self._group_ids = itertools.count()
         self.metrics = metrics if metrics is not None else BridgeMetrics()
+        self.envhub = envhub or EnvHubConfig()
+        self._envs: dict[str, EnvSession] = {}  # episode id -> its environment (episodes started with env)
 
     @property
     def policy_version(self) -> int:
@@ -205,6 +227,8 @@ class Bridge:
             raise InvalidArgument(f"group_size must be in [1, {self.admission.max_group_size}], got {req.group_size}")
         params = req.sampling.apply(self.defaults)
         self._check_sampling(params)
+        if req.env:
+            return await self._start_env_episodes(req, model, params)
         if req.prompt_messages is not None:
             if not req.prompt_messages:
                 raise InvalidArgument("prompt_messages is empty: send at least one message")
@@ -216,7 +240,34 @@ class Bridge:
             raise InvalidArgument("the prompt is empty: set prompt_token_ids or prompt_messages")
         self._check_length(len(prompt), "the prompt")
         self.store.admit(req.group_size)
+        return self._add_episodes(req, model, params, prompt)
 
+    async def _start_env_episodes(self, req: StartRequest, model: str, params: SamplingParams) -> StartResult:
+        if req.prompt_ids or req.prompt_messages is not None or req.tool_schemas:
+            raise InvalidArgument(
+                f"environment {req.env!r} supplies the prompt and the tool schemas: leave prompt_token_ids, "
+                "prompt_messages and tool_schemas_json empty"
+            )
+        if self.tokenizer is None:
+            raise InvalidArgument(
+                f"engine {self.info.engine!r} has no tokenizer; episodes with an environment need one"
+            )
+        check_env_name(req.env)
+        self.store.admit(req.group_size)
+        sessions = await open_env_sessions(req.env, self.envhub, req.group_size, req.env_task_id or None, req.env_seed)
+        try:
+            first = sessions[0].env
+            prompt = self._render(first.prompt_messages, None, first.tool_schemas)
+            self._check_length(len(prompt), "the environment's prompt")
+            self.store.admit(req.group_size)  # again: other episodes may have started while the envs opened
+        except BaseException:
+            await close_all(sessions)
+            raise
+        result = self._add_episodes(req, model, params, prompt)
+        self._envs.update(zip(result.episode_ids, sessions, strict=True))
+        return replace(result, env_task_id=sessions[0].task_id)
+
+    def _add_episodes(self, req: StartRequest, model: str, params: SamplingParams, prompt: list[int]) -> StartResult:
         group_id = req.group_id or f"grp-{uuid.uuid4().hex[:16]}"
         replica = self.router.place_group(group_id)
         version = self.engines[replica].policy_version
@@ -248,6 +299,24 @@ class Bridge:
             raise EpisodeBusy(f"episode {episode.id!r} already has a Step in progress; wait for it to finish")
         params = req.sampling.apply(episode.sampling)
         self._check_sampling(params)
+        session = self._envs.get(episode.id)
+        if session is not None:
+            session.check_steppable(episode.id)
+            if req.observation_ids or req.observation_messages:
+                raise InvalidArgument(
+                    f"episode {episode.id!r} runs environment {session.name!r}, which supplies its observations: "
+                    "send no observation"
+                )
+            self._check_length(len(episode.token_ids), "the episode history")
+            deadline = None if req.deadline_s is None else asyncio.get_running_loop().time() + req.deadline_s
+            episode.busy = True
+            try:
+                yield StepUpdate((), (), ())  # validated: the call is accepted
+                async for update in self._env_loop(episode, session, params, req, deadline):
+                    yield update
+            finally:
+                episode.busy = False
+            return
         if req.observation_messages:
             observation = self._render(req.observation_messages, episode.token_ids, ())
         else:
@@ -255,6 +324,23 @@ class Bridge:
             check_token_ids(observation, self.info.vocab_size, "observation_token_ids")
         total = len(episode.token_ids) + len(observation)
         self._check_length(total, "the episode history")
+        deadline = None if req.deadline_s is None else asyncio.get_running_loop().time() + req.deadline_s
+
+        # Validated: from here on the episode changes, and the turn is always closed.
+        episode.busy = True
+        try:
+            turn, turn_params = self._open_turn(episode, observation, params, req)
+            yield StepUpdate((), (), ())  # validated and recorded: the call is accepted
+            async for update in self._generate(episode, turn, turn_params, deadline):
+                yield update
+        finally:
+            episode.busy = False
+
+    def _open_turn(
+        self, episode: Episode, observation: list[int], params: SamplingParams, req: StepRequest
+    ) -> tuple[Turn, SamplingParams]:
+        """Append the observation and open the next turn; returns it with its sampling parameters."""
+        total = len(episode.token_ids) + len(observation)
         budget = min(
             params.max_tokens,
             self.info.max_model_len - total,
@@ -264,30 +350,70 @@ class Bridge:
             # An episode-level seed covers the whole episode: turn t samples with seed + t * 7919
             # (a per-turn override is used as given).
             params = replace(params, seed=(params.seed + len(episode.turns) * 7919) % 2**63)
-        engine = self.engines[episode.replica]
-        version = engine.policy_version
+        version = self.engines[episode.replica].policy_version
+        episode.append_unsampled(observation, Origin.ENV, version)
+        turn = Turn(
+            index=len(episode.turns),
+            observation_start=total - len(observation),
+            generation_start=total,
+            end=total,
+            policy_version=version,
+        )
+        episode.turns.append(turn)
+        return turn, replace(params, max_tokens=budget)
 
-        # Validated: from here on the episode changes, and the turn is always closed.
-        episode.busy = True
-        try:
-            episode.append_unsampled(observation, Origin.ENV, version)
-            turn = Turn(
-                index=len(episode.turns),
-                observation_start=total - len(observation),
-                generation_start=total,
-                end=total,
-                policy_version=version,
-            )
-            episode.turns.append(turn)
-            yield StepUpdate((), (), ())  # validated and recorded: the call is accepted
-            async for update in self._generate(episode, engine, turn, replace(params, max_tokens=budget), req):
-                yield update
-        finally:
-            episode.busy = False
+    def _has_room(self, episode: Episode, extra: int) -> bool:
+        """Whether ``extra`` more tokens still leave room to sample at least one."""
+        total = len(episode.token_ids) + extra
+        return total < self.info.max_model_len and total < self.admission.max_tokens_per_episode
+
+    async def _env_loop(
+        self, episode: Episode, session: EnvSession, params: SamplingParams, req: StepRequest, deadline: float | None
+    ) -> AsyncIterator[StepUpdate]:
+        """Sample turns and run their tool calls until the environment's loop stops or a bound is hit."""
+        assert self.tokenizer is not None  # checked at StartEpisode
+        turns = 0
+        observation: list[int] = []
+        text = session.pending  # tool calls an interrupted Step left unrun go first
+        # A turn cut short (cancel, deadline) is continued by the next one: the loop reads them as one message.
+        last = episode.turns[-1] if episode.turns else None
+        start = last.generation_start if text is None and last and last.finish_reason == FinishReason.ABORT else None
+        while True:
+            if text is None:
+                turn, turn_params = self._open_turn(episode, observation, params, req)
+                if observation:
+                    n = len(observation)
+                    yield StepUpdate(tuple(observation), (NAN,) * n, (Origin.ENV,) * n)
+                async for update in self._generate(episode, turn, turn_params, deadline):
+                    yield update if update.turn is None else replace(update, last=False)
+                turns += 1
+                if turn.finish_reason == FinishReason.ABORT:  # the engine aborted it: the next Step continues it
+                    break
+                text = self.tokenizer.decode(
+                    episode.token_ids[turn.generation_start if start is None else start : turn.end]
+                )
+                start = None
+            decision = await session.run_turn(text, deadline)
+            text = None
+            if decision is None or session.stopped:
+                break
+            try:
+                observation = self.tokenizer.render_continuation(decision.observation, episode.token_ids)
+            except InvalidArgument as exc:
+                session.stop("env_error", exc.message)
+                break
+            if not self._has_room(episode, len(observation)):
+                session.stop("context_exhausted")
+                break
+        outcome = session.outcome(turns)
+        if outcome.reason == "" and turns and episode.turns[-1].finish_reason == FinishReason.ABORT:
+            outcome = replace(outcome, reason="aborted")
+        yield StepUpdate((), (), (), episode.turns[-1], last=True, env=outcome)
 
     async def _generate(
-        self, episode: Episode, engine: Engine, turn: Turn, params: SamplingParams, req: StepRequest
+        self, episode: Episode, turn: Turn, params: SamplingParams, deadline: float | None
     ) -> AsyncIterator[StepUpdate]:
+        engine = self.engines[episode.replica]
         request = GenerateRequest(
             request_id=uuid.uuid4().hex,
             token_ids=tuple(episode.token_ids),
@@ -301,7 +427,7 @@ class Bridge:
         last: TokenChunk | None = None
         stream = engine.generate(request)
         try:
-            async with asyncio.timeout(req.deadline_s):
+            async with asyncio.timeout_at(deadline):
                 async for chunk in stream:
                     last = chunk
                     if chunk.token_ids:
@@ -359,9 +485,20 @@ class Bridge:
                     raise InvalidArgument(f"turn_rewards[{i}] = {r} is not a finite number")
         self.store.pop(episode.id, req.tenant)
         self.router.detach(episode.replica, episode.group_id)
+        rewards = req.rewards
+        if (session := self._envs.pop(episode.id, None)) is not None:
+            await session.close()
+            episode.metadata.update(session.metadata())
+            if not rewards and session.loop.done and session.loop.reward is not None:
+                rewards = (float(session.loop.reward),)  # the grader's, unless the trainer sent its own
         await self.engines[episode.replica].release(episode.id)
         duration = (time.perf_counter() - episode.created) * 1e3
-        return EndResult(episode, req.rewards, req.turn_rewards, duration)
+        return EndResult(episode, rewards, req.turn_rewards, duration)
+
+    async def close(self) -> None:
+        """Close the environments of episodes still open (at shutdown, after in-flight Steps drained)."""
+        sessions, self._envs = list(self._envs.values()), {}
+        await close_all(sessions)
 
     async def update_weights(self, checkpoint_path: str, policy_version: int, keep_kv: bool, model: str = "") -> int:
         self._check_model(model)

@@ -19,6 +19,7 @@ from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.auth import current_tenant
 from server.bridge import Bridge, EndRequest, SamplingOverrides, StartRequest, StepRequest
+from server.envsession import EnvOutcome
 from server.episodes import Turn
 from server.errors import PrimeRLError
 
@@ -58,6 +59,15 @@ def _messages(m: pb.Messages) -> tuple[Message, ...]:
     return tuple(Message(role=x.role, content=x.content, name=x.name) for x in m.messages)
 
 
+def _env_status(o: EnvOutcome) -> pb.EnvStatus:
+    status = pb.EnvStatus(
+        done=o.done, reason=o.reason, tool_calls=o.tool_calls, turns=o.turns, truncated=o.truncated, error=o.error
+    )
+    if o.reward is not None:
+        status.reward = o.reward
+    return status
+
+
 def _usage(turn: Turn) -> pb.Usage:
     u = turn.usage
     return pb.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, generated_tokens=u.generated_tokens)
@@ -91,6 +101,9 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                     group_id=request.group_id,
                     metadata=dict(request.metadata),
                     tenant=self._tenant(context),
+                    env=request.env,
+                    env_task_id=request.env_task_id,
+                    env_seed=request.env_seed if request.HasField("env_seed") else None,
                 )
             )
         except Exception as exc:
@@ -102,6 +115,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             policy_version=result.policy_version,
             placement=pb.Placement(engine=result.engine, replica=result.replica),
             prompt_tokens=result.prompt_tokens,
+            env_task_id=result.env_task_id,
         )
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepChunk]:
@@ -114,7 +128,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             tenant=self._tenant(context),
             deadline_s=context.time_remaining(),
         )
-        ids: list[int] = []  # every token of the turn so far
+        ids: list[int] = []  # every token of the Step so far (several turns when an env's tool loop runs)
         pending = 0  # how many of them are not sent yet
         logprobs: list[float] = []
         raw: list[float] = []  # raw (temperature-1) logprobs, sent only if the engine reports them
@@ -132,7 +146,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                 raw.extend(u.raw_logprobs if len(u.raw_logprobs) == len(u.token_ids) else [math.nan] * len(u.token_ids))
                 origins.extend(u.origins)
                 pending += len(u.token_ids)
-                if u.turn is None:
+                if u.turn is None or not u.last:
                     if not request.stream or not pending:
                         continue
                     now = time.perf_counter()
@@ -140,7 +154,12 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                         continue  # coalesce: tokens are arriving faster than chunks are worth sending
                     last_sent = now
                 start = len(ids) - pending
-                chunk = self._chunk(ids[start:], logprobs[start:], origins[start:], u.turn, ids)
+                turn = u.turn if u.last else None
+                # The last turn's sampled tokens are the tail of what this Step streamed.
+                turn_ids = ids[max(0, len(ids) - (turn.end - turn.generation_start)) :] if turn is not None else []
+                chunk = self._chunk(ids[start:], logprobs[start:], origins[start:], turn, turn_ids)
+                if turn is not None and u.env is not None:
+                    chunk.done.env.CopyFrom(_env_status(u.env))
                 if raw_seen:
                     chunk.raw_logprobs.extend(raw[start:])
                 yield chunk
@@ -155,7 +174,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         logprobs: Sequence[float],
         origins: Sequence[int],
         turn: Turn | None,
-        turn_ids: list[int],
+        turn_ids: Sequence[int],
     ) -> pb.StepChunk:
         """One StepChunk; with ``turn`` set it is the last one (``turn_ids``: the turn's tokens, for its text)."""
         chunk = pb.StepChunk(token_ids=ids, logprobs=logprobs, origins=origins)  # type: ignore[arg-type]

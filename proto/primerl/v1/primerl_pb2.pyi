@@ -311,12 +311,26 @@ class StartEpisodeRequest(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _builtins.int
     GROUP_ID_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    ENV_TASK_ID_FIELD_NUMBER: _builtins.int
+    ENV_SEED_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name; empty selects the server's default model."""
     group_size: _builtins.int
     """GRPO: number of episodes sharing this prompt, placed on one replica. 0 or 1 = one."""
     group_id: _builtins.str
     """Optional group id; generated when empty."""
+    env: _builtins.str
+    """Run the episode in this env hub environment (e.g. "sql-qa"; unknown names are
+    INVALID_ARGUMENT). Its opening messages and tool schemas are the prompt, so `prompt` and
+    `tool_schemas_json` must be empty, and Step runs the tool loop server-side: the model's
+    tool calls are executed and their results appended as env tokens (loss mask 0) before
+    the model continues, until it answers without a call or the hub's bound is reached.
+    """
+    env_task_id: _builtins.str
+    """The environment's task; empty picks one by env_seed. All members of a group get the same task."""
+    env_seed: _builtins.int
+    """Picks the task when env_task_id is empty (the first task when unset)."""
     @_builtins.property
     def prompt_token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -344,13 +358,21 @@ class StartEpisodeRequest(_message.Message):
         group_size: _builtins.int = ...,
         group_id: _builtins.str = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        env: _builtins.str = ...,
+        env_task_id: _builtins.str = ...,
+        env_seed: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "prompt_messages", b"prompt_messages", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_env_seed", b"_env_seed", "env_seed", b"env_seed", "prompt", b"prompt", "prompt_messages", b"prompt_messages", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "group_size", b"group_size", "metadata", b"metadata", "model", b"model", "prompt", b"prompt", "prompt_messages", b"prompt_messages", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "tool_schemas_json", b"tool_schemas_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_env_seed", b"_env_seed", "env", b"env", "env_seed", b"env_seed", "env_task_id", b"env_task_id", "group_id", b"group_id", "group_size", b"group_size", "metadata", b"metadata", "model", b"model", "prompt", b"prompt", "prompt_messages", b"prompt_messages", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "tool_schemas_json", b"tool_schemas_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__env_seed: _TypeAlias = _typing.Literal["env_seed"]  # noqa: Y015
+    _WhichOneofArgType__env_seed: _TypeAlias = _typing.Literal["_env_seed", b"_env_seed"]  # noqa: Y015
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["prompt_token_ids", "prompt_messages"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__env_seed) -> _WhichOneofReturnType__env_seed | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___StartEpisodeRequest: _TypeAlias = StartEpisodeRequest  # noqa: Y015
@@ -364,12 +386,15 @@ class StartEpisodeResponse(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     PLACEMENT_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    ENV_TASK_ID_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """The group id shared by these episodes."""
     policy_version: _builtins.int
     """Policy version of the weights that will serve the first turn."""
     prompt_tokens: _builtins.int
     """Number of prompt tokens (after rendering)."""
+    env_task_id: _builtins.str
+    """The environment's task, when the episode runs one (`env`)."""
     @_builtins.property
     def episode_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The new episodes' ids (group_size of them), unguessable."""
@@ -386,10 +411,11 @@ class StartEpisodeResponse(_message.Message):
         policy_version: _builtins.int = ...,
         placement: Global___Placement | None = ...,
         prompt_tokens: _builtins.int = ...,
+        env_task_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_ids", b"episode_ids", "group_id", b"group_id", "placement", b"placement", "policy_version", b"policy_version", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env_task_id", b"env_task_id", "episode_ids", b"episode_ids", "group_id", b"group_id", "placement", b"placement", "policy_version", b"policy_version", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -478,6 +504,7 @@ class TurnDone(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     TURN_INDEX_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     policy_version: _builtins.int
     """Policy version that produced this turn's tokens (the latest, if it changed mid-turn)."""
@@ -487,6 +514,10 @@ class TurnDone(_message.Message):
     """Full text of the turn's sampled tokens, when the engine has a tokenizer."""
     @_builtins.property
     def usage(self) -> Global___Usage: ...
+    @_builtins.property
+    def env(self) -> Global___EnvStatus:
+        """Set when the episode runs an environment: where its tool loop stands after this Step."""
+
     def __init__(
         self,
         *,
@@ -495,14 +526,73 @@ class TurnDone(_message.Message):
         policy_version: _builtins.int = ...,
         turn_index: _builtins.int = ...,
         text: _builtins.str = ...,
+        env: Global___EnvStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "policy_version", b"policy_version", "text", b"text", "turn_index", b"turn_index", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "finish_reason", b"finish_reason", "policy_version", b"policy_version", "text", b"text", "turn_index", b"turn_index", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TurnDone: _TypeAlias = TurnDone  # noqa: Y015
+
+@_typing.final
+class EnvStatus(_message.Message):
+    """The server-side tool loop of an episode started with `env`. One Step runs model turns and
+    tool calls until the model answers without a call, the environment is done, or a bound is
+    reached; the chunks carry every token in order (sampled ones, and the tool results with
+    origin ENV and logprob NaN), and the last chunk's `done` describes the last turn.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DONE_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TURNS_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    done: _builtins.bool
+    """The environment graded the episode: further Steps are refused; EndEpisode returns the
+    grader's reward as the trajectory's reward unless the request sets rewards.
+    """
+    reward: _builtins.float
+    """The environment's reward (the grader's, shaped), set when done."""
+    reason: _builtins.str
+    """Why the loop stopped: "final_answer" or "max_tool_calls" (graded); "context_exhausted"
+    (no room for the tool results and another turn), "max_turns" (the loop's turn bound) or
+    "env_error" (the environment failed; see `error`), which end the loop without a grade;
+    "aborted" (the engine aborted the turn; the next Step continues it).
+    """
+    tool_calls: _builtins.int
+    """Tool calls executed in the episode so far."""
+    turns: _builtins.int
+    """Model turns run by this Step."""
+    truncated: _builtins.bool
+    """The answer was graded after the tool-call bound cut the loop short."""
+    error: _builtins.str
+    """What failed, for reason "env_error"."""
+    def __init__(
+        self,
+        *,
+        done: _builtins.bool = ...,
+        reward: _builtins.float | None = ...,
+        reason: _builtins.str = ...,
+        tool_calls: _builtins.int = ...,
+        turns: _builtins.int = ...,
+        truncated: _builtins.bool = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "reward", b"reward"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "done", b"done", "error", b"error", "reason", b"reason", "reward", b"reward", "tool_calls", b"tool_calls", "truncated", b"truncated", "turns", b"turns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
+    _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward) -> _WhichOneofReturnType__reward | None: ...
+
+Global___EnvStatus: _TypeAlias = EnvStatus  # noqa: Y015
 
 @_typing.final
 class StepChunk(_message.Message):
