@@ -18,7 +18,6 @@ fraction). Any other key is exported as ``primerl_engine_stat{name=...}``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Sequence, Sized
@@ -336,18 +335,3 @@ class MetricsEndpoint:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-
-
-async def poll_engine_health(engines: Sequence[Engine], metrics: BridgeMetrics, interval_s: float) -> None:
-    """Refresh ``primerl_engine_healthy`` every ``interval_s`` until cancelled."""
-    while True:
-        for e in engines:
-            try:
-                async with asyncio.timeout(interval_s):
-                    metrics.engine_health[e.info.replica] = (await e.health()).healthy
-            except TimeoutError:
-                metrics.engine_health[e.info.replica] = False
-            except Exception as exc:  # noqa: BLE001 - any failure of a health call means unhealthy
-                log.warning("health check of engine replica %s failed: %s", e.info.replica, exc)
-                metrics.engine_health[e.info.replica] = False
-        await asyncio.sleep(interval_s)

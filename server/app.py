@@ -19,7 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from engines import Engine, make_engines
-from observability.metrics import BridgeMetrics, MetricsEndpoint, poll_engine_health
+from observability.metrics import BridgeMetrics, MetricsEndpoint
 from observability.tracing import Tracing
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
@@ -44,6 +44,8 @@ class BridgeServer:
     tracing: Tracing = field(default_factory=lambda: Tracing(None))
     metrics_endpoint: MetricsEndpoint | None = None
     _health_poll: asyncio.Task[None] | None = None
+    _serving: bool | None = None
+    _stopping: bool = False
 
     @property
     def metrics(self) -> BridgeMetrics:
@@ -62,29 +64,63 @@ class BridgeServer:
         if self.metrics_endpoint is not None:
             port = self.metrics_endpoint.start()
             log.info("Prometheus metrics on %s:%d/metrics", self.metrics_endpoint.host, port)
-            self._health_poll = asyncio.create_task(
-                poll_engine_health(self.bridge.engines, self.metrics, self.settings.metrics.health_interval_s),
-                name="metrics-engine-health",
-            )
         await self.server.start()
-        unhealthy = [(e.info.replica, h.detail) for e in self.bridge.engines if not (h := await e.health()).healthy]
-        status = health_pb2.HealthCheckResponse.NOT_SERVING if unhealthy else health_pb2.HealthCheckResponse.SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
-        for replica, detail in unhealthy:
-            log.error("engine replica %s is not healthy (%s): reporting NOT_SERVING", replica, detail)
+        await self.check_health()
+        self._health_poll = asyncio.create_task(self._supervise_health(), name="engine-health-supervisor")
+
+    async def _supervise_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.metrics.health_interval_s)
+            await self.check_health()
+
+    async def check_health(self) -> bool:
+        """Check every replica: the health gauge, its place in routing, and the gRPC health status.
+
+        A replica is in rotation when its health check passes and it serves the newest policy version
+        (one that missed a weight update stays out). The bridge is SERVING while any replica is in
+        rotation; engines that come up after the bridge are picked up at the next check.
+        """
+        bridge = self.bridge
+        newest = bridge.policy_version
+        timeout = self.settings.metrics.health_interval_s
+        any_ok = False
+        for i, engine in enumerate(bridge.engines):
+            try:
+                async with asyncio.timeout(timeout):
+                    result = await engine.health()
+                ok, detail = result.healthy, result.detail
+            except TimeoutError:
+                ok, detail = False, f"health check took longer than {timeout:.0f} s"
+            except Exception as exc:  # noqa: BLE001 - whatever a health call raises, the replica is unhealthy
+                ok, detail = False, f"health check failed: {exc}"
+            bridge.metrics.engine_health[engine.info.replica] = ok
+            if ok and engine.policy_version < newest:
+                ok, detail = False, f"serves policy version {engine.policy_version}, not {newest}"
+            bridge.mark_replica(i, ok, detail)
+            any_ok |= ok
+        if not self._stopping and any_ok != self._serving:
+            status = health_pb2.HealthCheckResponse.SERVING if any_ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+            if not any_ok:
+                log.error("no engine replica is healthy: reporting NOT_SERVING")
+            elif self._serving is False:
+                log.info("an engine replica is healthy again: reporting SERVING")
+            self._serving = any_ok
+        return any_ok
 
     async def stop(self, grace: float | None = None) -> None:
         grace = self.settings.server.grace_period_s if grace is None else grace
+        self._stopping = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-        await self.bridge.close()  # environments of episodes still open
-        for engine in self.bridge.engines:
-            await engine.close()
-        if self._health_poll is not None:
+        if self._health_poll is not None:  # before the engines close, so it never checks a closed one
             self._health_poll.cancel()
             await asyncio.gather(self._health_poll, return_exceptions=True)
             self._health_poll = None
+        await self.bridge.close()  # environments of episodes still open
+        for engine in self.bridge.engines:
+            await engine.close()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.stop()
         self.tracing.shutdown()

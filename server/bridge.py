@@ -16,7 +16,9 @@ covers the whole loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import math
 import time
 import uuid
@@ -46,10 +48,12 @@ from server.errors import (
     EngineError,
     EpisodeBusy,
     InvalidArgument,
+    PrimeRLError,
     ResourceExhausted,
     Unimplemented,
 )
 
+log = logging.getLogger("primerl.server")
 MAX_POLICY_VERSION = 2**63 - 1
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -173,10 +177,43 @@ class Bridge:
         self.metrics = metrics if metrics is not None else BridgeMetrics()
         self.envhub = envhub or EnvHubConfig()
         self._envs: dict[str, EnvSession] = {}  # episode id -> its environment (episodes started with env)
+        self._weights_lock = asyncio.Lock()  # one UpdateWeights at a time, so versions only move forward
 
     @property
     def policy_version(self) -> int:
         return max(e.policy_version for e in self.engines)
+
+    @staticmethod
+    def _group_key(tenant: str, group_id: str) -> str:
+        """Group ids are the client's, so they are scoped by tenant wherever they key shared state."""
+        return f"{tenant}/{group_id}"
+
+    def mark_replica(self, replica: int, healthy: bool, reason: str = "") -> None:
+        """Take a replica out of rotation (a call failed, a health check did) or bring it back."""
+        if self.router.mark(replica, healthy):
+            name = self.engines[replica].info.replica
+            if healthy:
+                log.info("engine replica %s is healthy again: back in rotation", name)
+            else:
+                log.warning("engine replica %s taken out of rotation: %s", name, reason or "unhealthy")
+
+    async def _relocate_if_unhealthy(self, episode: Episode) -> None:
+        """Move an episode off a failed replica; its next turn sends the exact token history to the new one."""
+        old = episode.replica
+        new = self.router.relocate(old, self._group_key(episode.tenant, episode.group_id))
+        if new == old:
+            return
+        episode.replica = new
+        log.warning(
+            "episode %s moved from failed replica %s to %s (%d tokens resubmitted)",
+            episode.id,
+            self.engines[old].info.replica,
+            self.engines[new].info.replica,
+            len(episode.token_ids),
+        )
+        with contextlib.suppress(PrimeRLError, OSError, TimeoutError):  # the old replica is down: best effort
+            async with asyncio.timeout(2.0):
+                await self.engines[old].release(episode.id)
 
     # -- validation ---------------------------------------------------------------------
 
@@ -269,7 +306,8 @@ class Bridge:
 
     def _add_episodes(self, req: StartRequest, model: str, params: SamplingParams, prompt: list[int]) -> StartResult:
         group_id = req.group_id or f"grp-{uuid.uuid4().hex[:16]}"
-        replica = self.router.place_group(group_id)
+        key = self._group_key(req.tenant, group_id)
+        replica = self.router.place_group(key)
         version = self.engines[replica].policy_version
         ids = []
         for i in range(req.group_size):
@@ -288,7 +326,7 @@ class Bridge:
             episode.append_unsampled(prompt, Origin.PROMPT, version)
             episode.prompt_length = len(prompt)
             self.store.add(episode)
-            self.router.attach(replica, group_id)
+            self.router.attach(replica, key)
             ids.append(episode.id)
         return StartResult(ids, group_id, version, self.info.engine, self.engines[replica].info.replica, len(prompt))
 
@@ -311,6 +349,7 @@ class Bridge:
             deadline = None if req.deadline_s is None else asyncio.get_running_loop().time() + req.deadline_s
             episode.busy = True
             try:
+                await self._relocate_if_unhealthy(episode)
                 yield StepUpdate((), (), ())  # validated: the call is accepted
                 async for update in self._env_loop(episode, session, params, req, deadline):
                     yield update
@@ -329,6 +368,7 @@ class Bridge:
         # Validated: from here on the episode changes, and the turn is always closed.
         episode.busy = True
         try:
+            await self._relocate_if_unhealthy(episode)
             turn, turn_params = self._open_turn(episode, observation, params, req)
             yield StepUpdate((), (), ())  # validated and recorded: the call is accepted
             async for update in self._generate(episode, turn, turn_params, deadline):
@@ -419,8 +459,9 @@ class Bridge:
             token_ids=tuple(episode.token_ids),
             params=params,
             episode_id=episode.id,
-            group_id=episode.group_id if episode.shares_prompt else "",
-            cache_salt=f"{episode.model}@{turn.policy_version}",
+            group_id=self._group_key(episode.tenant, episode.group_id) if episode.shares_prompt else "",
+            # Salted per tenant too: cached-token counts must not reveal another tenant's prompts.
+            cache_salt=f"{episode.tenant}/{episode.model}@{turn.policy_version}",
         )
         load = len(request.token_ids) + params.max_tokens
         self.router.begin(episode.replica, load)
@@ -447,6 +488,9 @@ class Bridge:
                         yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled(), turn, raw)
                         return
             raise EngineError(f"engine {engine.info.replica!r} ended the stream without a finish reason")
+        except EngineError as exc:
+            self.mark_replica(episode.replica, False, exc.message)
+            raise
         except TimeoutError:
             raise DeadlineExceeded(
                 f"the turn did not finish before its deadline; {turn.end - turn.generation_start} partial "
@@ -484,7 +528,7 @@ class Bridge:
                 if not math.isfinite(r):
                     raise InvalidArgument(f"turn_rewards[{i}] = {r} is not a finite number")
         self.store.pop(episode.id, req.tenant)
-        self.router.detach(episode.replica, episode.group_id)
+        self.router.detach(episode.replica, self._group_key(episode.tenant, episode.group_id))
         rewards = req.rewards
         if (session := self._envs.pop(episode.id, None)) is not None:
             await session.close()
@@ -511,6 +555,23 @@ class Bridge:
         if not self.info.supports_weight_updates:
             raise Unimplemented(f"engine {self.info.engine!r} cannot load new weights at run time")
         update = WeightUpdate(checkpoint_path=checkpoint_path, policy_version=version, keep_kv=keep_kv)
-        for engine in self.engines:
-            await engine.update_weights(update)
+        async with self._weights_lock:
+            if version <= self.policy_version:  # another update landed while this one waited
+                raise InvalidArgument(
+                    f"policy_version {version} must be greater than the current version {self.policy_version}"
+                )
+            done: list[str] = []
+            for i, engine in enumerate(self.engines):
+                try:
+                    await engine.update_weights(update)
+                except EngineError as exc:
+                    # Replicas must not serve mixed versions: this one leaves rotation until it is updated.
+                    self.mark_replica(i, False, f"weight update to version {version} failed: {exc.message}")
+                    if not done:
+                        raise
+                    raise EngineError(
+                        f"weights updated to version {version} on {done} but failed on {engine.info.replica!r} "
+                        f"({exc.message}); it is out of rotation until an update reaches it"
+                    ) from None
+                done.append(engine.info.replica)
         return version

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from engines.config import EngineConfig
 from envhub.config import EnvHubConfig
 from server.auth import AuthConfig, TlsConfig
+from speculation.config import SpeculationConfig
 
 
 class ServerConfig(BaseModel):
@@ -72,7 +73,10 @@ class MetricsConfig(BaseModel):
 
     port: int = Field(9300, ge=0, le=65535, description="Port of /metrics; 0 disables the endpoint.")
     health_interval_s: float = Field(
-        10.0, gt=0, le=3600, description="How often engine health is checked for the primerl_engine_healthy gauge."
+        10.0,
+        gt=0,
+        le=3600,
+        description="How often engine replicas are health-checked (gauge, routing rotation, gRPC health status).",
     )
 
 
@@ -98,6 +102,9 @@ class Settings(BaseSettings):
     envhub: EnvHubConfig = Field(default_factory=EnvHubConfig, description="Env hub: tool connectors and loop.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer-token authentication and tenants.")
     tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS / mutual TLS of the gRPC port.")
+    speculation: SpeculationConfig = Field(
+        default_factory=SpeculationConfig, description="Grammar-aware speculative decoding of tool calls."
+    )
 
     @classmethod
     def settings_customise_sources(
