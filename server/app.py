@@ -26,6 +26,8 @@ from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.auth import AuthInterceptor, load_tenants, server_credentials
 from server.bridge import Bridge
 from server.config import Settings
+from server.errors import InvalidArgument
+from server.persistence import EpisodeJournal
 from server.service import PrimeRLService
 from server.telemetry import TelemetryInterceptor
 
@@ -121,6 +123,8 @@ class BridgeServer:
         await self.bridge.close()  # environments of episodes still open
         for engine in self.bridge.engines:
             await engine.close()
+        if self.bridge.journal is not None:  # open episodes stay in Redis for the next bridge
+            await self.bridge.journal.close()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.stop()
         self.tracing.shutdown()
@@ -134,9 +138,17 @@ async def create_server(
     ``tracing`` defaults to what the ``OTEL_*`` variables ask for (off when they ask nothing).
     """
     tracing = tracing if tracing is not None else Tracing.from_env()
+    journal = None
+    if settings.persistence.enabled:
+        if not settings.redis.url:
+            raise InvalidArgument("persistence.enabled needs redis.url (the Redis that keeps the episodes)")
+        journal = EpisodeJournal(settings.redis.url, settings.persistence)
+        log.info("episode persistence on: %s (prefix %r)", settings.redis.url, settings.persistence.key_prefix)
     engines = list(engines) if engines is not None else await make_engines(settings.engine)
     metrics = BridgeMetrics()
-    bridge = Bridge([tracing.wrap(e) for e in engines], settings.admission, settings.sampling, metrics, settings.envhub)
+    bridge = Bridge(
+        [tracing.wrap(e) for e in engines], settings.admission, settings.sampling, metrics, settings.envhub, journal
+    )
     metrics.attach(bridge)
     limit = settings.server.max_message_bytes
     tenants = load_tenants(settings.auth)

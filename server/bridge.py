@@ -22,7 +22,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from engines.base import Engine
@@ -52,6 +52,7 @@ from server.errors import (
     ResourceExhausted,
     Unimplemented,
 )
+from server.persistence import EpisodeJournal, PersistenceUnavailable
 
 log = logging.getLogger("primerl.server")
 MAX_POLICY_VERSION = 2**63 - 1
@@ -158,6 +159,7 @@ class Bridge:
         defaults: SamplingDefaults,
         metrics: BridgeMetrics | None = None,
         envhub: EnvHubConfig | None = None,
+        journal: EpisodeJournal | None = None,
     ) -> None:
         if not engines:
             raise ValueError("a bridge needs at least one engine replica")
@@ -178,6 +180,7 @@ class Bridge:
         self.envhub = envhub or EnvHubConfig()
         self._envs: dict[str, EnvSession] = {}  # episode id -> its environment (episodes started with env)
         self._weights_lock = asyncio.Lock()  # one UpdateWeights at a time, so versions only move forward
+        self.journal = journal  # episode persistence (None: episodes live in this process only)
 
     @property
     def policy_version(self) -> int:
@@ -277,7 +280,89 @@ class Bridge:
             raise InvalidArgument("the prompt is empty: set prompt_token_ids or prompt_messages")
         self._check_length(len(prompt), "the prompt")
         self.store.admit(req.group_size)
-        return self._add_episodes(req, model, params, prompt)
+        result = self._add_episodes(req, model, params, prompt)
+        if self.journal is not None:
+            try:
+                for episode_id in result.episode_ids:
+                    episode = self.store.peek(episode_id)
+                    assert episode is not None
+                    await self._save(episode)
+            except PersistenceUnavailable:  # required and not written: the start did not happen
+                for episode_id in result.episode_ids:
+                    if (episode := self.store.discard(episode_id)) is not None:
+                        self.router.detach(episode.replica, self._group_key(episode.tenant, episode.group_id))
+                raise
+        return result
+
+    # -- persistence (server.persistence; a no-op without a journal) --------------------------------
+
+    def _persistence_failed(self, what: str, exc: PersistenceUnavailable) -> None:
+        assert self.journal is not None
+        if self.journal.config.required:
+            raise exc
+        self.metrics.fail_open.labels("persistence").inc()
+        log.warning("episode persistence failed open (%s): %s", what, exc.message)
+
+    async def _save(self, episode: Episode) -> None:
+        if self.journal is None or episode.id in self._envs:  # env sessions live in this process only
+            return
+        try:
+            await asyncio.shield(self.journal.save(episode, episode.rev + 1))
+        except PersistenceUnavailable as exc:
+            self._persistence_failed("write", exc)
+            return
+        episode.rev += 1
+        episode.persisted = True
+
+    async def _sync(self, episode_id: str) -> None:
+        """Make the local copy match the persisted record (written by this or another bridge)."""
+        if self.journal is None:
+            return
+        local = self.store.peek(episode_id)
+        try:
+            remote = await self.journal.revision(episode_id)
+            if remote is None:
+                if local is not None and local.persisted and not local.busy:  # ended through another bridge
+                    self.store.discard(episode_id)
+                    self.router.detach(local.replica, self._group_key(local.tenant, local.group_id))
+                return
+            if local is not None and local.rev >= remote:
+                return
+            loaded = await self.journal.load(episode_id)
+        except PersistenceUnavailable as exc:
+            self._persistence_failed("read", exc)
+            return
+        if loaded is None:
+            return
+        episode, rev = loaded
+        episode.rev, episode.persisted = rev, True
+        key = self._group_key(episode.tenant, episode.group_id)
+        if local is not None:
+            self.router.detach(local.replica, key)
+        elif episode.replica >= len(self.engines) or not self.router.healthy[episode.replica]:
+            episode.replica = self.router.place_group(key)
+        self.store.add(episode)
+        self.router.attach(episode.replica, key)
+
+    async def _lease(self, episode_id: str) -> bool:
+        """Hold the episode against Steps and ends on other bridges; False when persistence failed open."""
+        if self.journal is None:
+            return False
+        try:
+            if await self.journal.acquire(episode_id):
+                return True
+        except PersistenceUnavailable as exc:
+            self._persistence_failed("lease", exc)
+            return False
+        raise EpisodeBusy(f"episode {episode_id!r} has a Step in progress (on this or another bridge)")
+
+    async def _unlease(self, episode_id: str) -> None:
+        if self.journal is None:
+            return
+        try:
+            await asyncio.shield(self.journal.release(episode_id))
+        except PersistenceUnavailable as exc:  # the lease expires on its own
+            log.warning("could not release the lease of episode %s: %s", episode_id, exc.message)
 
     async def _start_env_episodes(self, req: StartRequest, model: str, params: SamplingParams) -> StartResult:
         if req.prompt_ids or req.prompt_messages is not None or req.tool_schemas:
@@ -331,7 +416,42 @@ class Bridge:
         return StartResult(ids, group_id, version, self.info.engine, self.engines[replica].info.replica, len(prompt))
 
     async def step(self, req: StepRequest) -> AsyncIterator[StepUpdate]:
-        """Run one turn; yields the tokens as they are appended, the last update has ``turn``."""
+        """Run one turn; yields the tokens as they are appended, the last update has ``turn``.
+
+        With persistence the Step holds the episode's lease, starts from the newest persisted
+        record, and writes the record back once its turn is closed (also when it failed).
+        """
+        if self.journal is None:
+            async for update in self._step(req):
+                yield update
+            return
+        leased = await self._lease(req.episode_id)
+        try:
+            await self._sync(req.episode_id)
+            episode = self.store.get(req.episode_id, req.tenant)
+            turns = len(episode.turns)
+            final: StepUpdate | None = None
+            inner = self._step(req)
+            try:
+                async for update in inner:
+                    if update.turn is not None and update.last:
+                        final = update  # held back until the record is written and the lease released,
+                        break  # so a client that saw the turn end can at once step or end it anywhere
+                    yield update
+            finally:
+                await inner.aclose()  # the turn is closed and the episode idle once this returns
+                if len(episode.turns) != turns:  # the Step opened a turn (closed by now, whatever happened)
+                    await self._save(episode)
+                if leased:
+                    leased = False
+                    await self._unlease(req.episode_id)
+            if final is not None:
+                yield final
+        finally:
+            if leased:
+                await self._unlease(req.episode_id)
+
+    async def _step(self, req: StepRequest) -> AsyncGenerator[StepUpdate, None]:
         episode = self.store.get(req.episode_id, req.tenant)
         if episode.busy:
             raise EpisodeBusy(f"episode {episode.id!r} already has a Step in progress; wait for it to finish")
@@ -513,6 +633,15 @@ class Bridge:
         self.metrics.observe_turn(self.info.model, self.info.engine, finish.name.lower(), turn.usage, latency_s, ttft_s)
 
     async def end_episode(self, req: EndRequest) -> EndResult:
+        leased = await self._lease(req.episode_id)
+        try:
+            await self._sync(req.episode_id)
+            return await self._end_episode(req)
+        finally:
+            if leased:
+                await self._unlease(req.episode_id)
+
+    async def _end_episode(self, req: EndRequest) -> EndResult:
         episode = self.store.get(req.episode_id, req.tenant)
         if episode.busy:
             raise EpisodeBusy(f"episode {episode.id!r} has a Step in progress; end it after the Step finishes")
@@ -527,6 +656,11 @@ class Bridge:
             for i, r in enumerate(req.turn_rewards):
                 if not math.isfinite(r):
                     raise InvalidArgument(f"turn_rewards[{i}] = {r} is not a finite number")
+        if self.journal is not None and episode.persisted:
+            try:  # first, so that a failure changes nothing here and the client can simply retry
+                await self.journal.delete(episode.id)
+            except PersistenceUnavailable as exc:
+                self._persistence_failed("delete", exc)
         self.store.pop(episode.id, req.tenant)
         self.router.detach(episode.replica, self._group_key(episode.tenant, episode.group_id))
         rewards = req.rewards

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from engines.config import EngineConfig
 from envhub.config import EnvHubConfig
 from server.auth import AuthConfig, TlsConfig
+from server.persistence import PersistenceConfig
 from speculation.config import SpeculationConfig
 
 
@@ -101,6 +102,9 @@ class Settings(BaseSettings):
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
     envhub: EnvHubConfig = Field(default_factory=EnvHubConfig, description="Env hub: tool connectors and loop.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer-token authentication and tenants.")
+    persistence: PersistenceConfig = Field(
+        default_factory=PersistenceConfig, description="Durable episodes in Redis (resume after restart, share)."
+    )
     tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS / mutual TLS of the gRPC port.")
     speculation: SpeculationConfig = Field(
         default_factory=SpeculationConfig, description="Grammar-aware speculative decoding of tool calls."

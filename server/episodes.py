@@ -59,6 +59,8 @@ class Episode:
     busy: bool = False
     # A GRPO group (or an explicit group id): engines may share the prompt's KV among its members.
     shares_prompt: bool = False
+    rev: int = 0  # revision of the persisted record this copy matches (server.persistence)
+    persisted: bool = False
 
     def append(
         self,
@@ -122,6 +124,13 @@ class EpisodeStore:
         if episode.tenant != tenant:
             raise PermissionDenied(f"episode {episode_id!r} belongs to another tenant")
         return episode
+
+    def peek(self, episode_id: str) -> Episode | None:
+        """The local copy, without the tenant check (for syncing with the persisted record)."""
+        return self._episodes.get(episode_id)
+
+    def discard(self, episode_id: str) -> Episode | None:
+        return self._episodes.pop(episode_id, None)
 
     def pop(self, episode_id: str, tenant: str) -> Episode:
         episode = self.get(episode_id, tenant)

@@ -1,0 +1,116 @@
+"""Episode persistence through real bridges and a private Redis: two bridges share episodes, a killed bridge's
+episodes resume in a new process, a Step holds its episode across bridges, Redis failures fail open or closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from rl_client import AsyncBridgeClient
+from rl_client.errors import FailedPreconditionError, NotFoundError, UnavailableError
+from tests.integration.redis_proc import PrivateRedis, free_port
+
+PROMPT = [1, 4, 30, 31, 32, 2, 5]
+SAMPLING = {"max_tokens": 6, "ignore_eos": True, "seed": 5}
+
+
+@pytest.fixture
+def redis_server() -> Iterator[PrivateRedis]:
+    server = PrivateRedis()
+    server.start()
+    yield server
+    server.close()
+
+
+def _persist(redis: PrivateRedis, **extra: Any) -> dict[str, Any]:
+    return {"redis": {"url": redis.url}, "persistence": {"enabled": True, "timeout_s": 0.5, **extra}}
+
+
+async def test_two_bridges_share_episodes_turn_by_turn(start_bridge: Any, redis_server: PrivateRedis) -> None:
+    a_server, a = await start_bridge(**_persist(redis_server))
+    _, b = await start_bridge(**_persist(redis_server))
+    _, solo = await start_bridge()  # the same toy model without persistence: the reference
+    ep = (await a.start_episode(PROMPT, sampling=SAMPLING)).episode_id
+    ref = (await solo.start_episode(PROMPT, sampling=SAMPLING)).episode_id
+    turns = [await b.step(ep), await a.step(ep, [9]), await b.step(ep, [10, 11])]
+    expected = [await solo.step(ref), await solo.step(ref, [9]), await solo.step(ref, [10, 11])]
+    assert [t.token_ids.tolist() for t in turns] == [t.token_ids.tolist() for t in expected]
+    traj = await a.end_episode(ep)  # a had a stale copy: it reads the newest record first
+    assert traj.token_ids.tolist() == (await solo.end_episode(ref)).token_ids.tolist()
+    assert len(traj.turns) == 3
+    with pytest.raises(NotFoundError):
+        await b.step(ep)  # ended through the other bridge
+    assert a_server.bridge.store.peek(ep) is None
+
+
+async def test_a_step_holds_its_episode_across_bridges(start_bridge: Any, redis_server: PrivateRedis) -> None:
+    slow = {"toy": {"token_delay_s": 0.02}}
+    _, a = await start_bridge(engine=slow, **_persist(redis_server))
+    _, b = await start_bridge(engine=slow, **_persist(redis_server))
+    ep = (await a.start_episode(PROMPT, sampling={"max_tokens": 40, "ignore_eos": True})).episode_id
+    running = asyncio.create_task(a.step(ep))
+    await asyncio.sleep(0.3)
+    with pytest.raises(FailedPreconditionError, match="another bridge"):
+        await b.step(ep)
+    with pytest.raises(FailedPreconditionError):
+        await b.end_episode(ep)
+    assert len((await running).token_ids) == 40
+    assert len((await b.end_episode(ep)).turns) == 1
+
+
+async def test_redis_down_fails_open_or_closed_as_configured(start_bridge: Any, redis_server: PrivateRedis) -> None:
+    open_server, relaxed = await start_bridge(**_persist(redis_server))
+    _, strict = await start_bridge(**_persist(redis_server, required=True))
+    ep = (await relaxed.start_episode(PROMPT, sampling=SAMPLING)).episode_id
+    redis_server.kill()
+    assert len((await relaxed.step(ep)).token_ids) == 6  # served from memory
+    assert len(await relaxed.end_episode(ep)) > len(PROMPT)
+    assert open_server.metrics.fail_open.labels("persistence")._value.get() >= 2
+    with pytest.raises(UnavailableError, match=r"cannot .* in Redis"):
+        await strict.start_episode(PROMPT)
+    assert not open_server.bridge.store.peek(ep)
+
+
+def _serve(redis: PrivateRedis, port: int) -> subprocess.Popen[bytes]:
+    env = dict(
+        os.environ,
+        PRIMERL_PERSISTENCE__ENABLED="true",
+        PRIMERL_REDIS__URL=redis.url,
+    )
+    cmd = [sys.executable, "-m", "server", "serve", "--engine", "toy", "--port", str(port), "--metrics-port", "0"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def test_killed_bridge_episodes_resume_in_a_new_process(redis_server: PrivateRedis) -> None:
+    port = free_port()
+    first = _serve(redis_server, port)
+    client = AsyncBridgeClient(f"127.0.0.1:{port}", timeout=30)
+    try:
+        await client.wait_until_ready(60)
+        ep = (await client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
+        turn1 = await client.step(ep)
+        first.send_signal(signal.SIGKILL)  # no drain, no goodbye
+        first.wait(10)
+        second = _serve(redis_server, port)
+        try:
+            await client.wait_until_ready(60)
+            turn2 = await client.step(ep, [9])
+            traj = await client.end_episode(ep)
+            assert traj.token_ids.tolist() == PROMPT + turn1.token_ids.tolist() + [9] + turn2.token_ids.tolist()
+            assert [t.finish_reason for t in traj.turns] == ["length", "length"]
+            assert traj.loss_mask.sum() == 12
+        finally:
+            second.terminate()
+            second.wait(30)
+    finally:
+        await client.close()
+        if first.poll() is None:
+            first.kill()
