@@ -8,8 +8,8 @@ Invariants
 ----------
 * Every awaited call has a timeout: connect (``connect_timeout_s``), control calls
   (``control_timeout_s``), weight loads (``weight_update_timeout_s``); a generation stream
-  may be silent for at most ``engine.request_timeout_s`` and last about as long (checked at
-  each event). The RPC deadline, usually shorter, is the bridge's.
+  may be silent for at most ``engine.request_timeout_s``, and its waits on the engine end at
+  the turn's deadline, the same bound. The RPC deadline, usually shorter, is the bridge's.
 * Retries happen only at the network edge and only when no connection could be opened (so
   nothing was sent): bounded by ``connect_retries`` attempts *and* ``retry_budget_s``. A
   generation request that reached the engine is never sent twice.
@@ -24,15 +24,26 @@ Invariants
   last chunk carries the finish reason and usage (held back until the usage is known).
 * The prefix cache is salted with ``model@policy_version`` (the bridge's ``cache_salt``, or
   this replica's own version when none is given) so KV of old weights is never reused.
+* No turn straddles a weight update: ``update_weights`` (``exclusive_update``) stops admitting
+  new generations on the replica, waits up to ``weight_update_timeout_s`` for the in-flight
+  ones to finish (then aborts the stragglers, which end with ``ABORT`` and old-version tokens
+  only), reloads, and reopens. A turn held at the gate runs on the new weights, labelled and
+  salted with the new version.
+* A whole turn lasts at most ``engine.request_timeout_s`` (``asyncio.timeout`` around the
+  stream, so keep-alive comments cannot extend it); an ``abort`` that arrives before the
+  response headers closes the stream as soon as it opens.
+* Replica labels (in every error and log line) never carry URL userinfo, query or fragment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, Mapping
+import urllib.parse
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -101,6 +112,20 @@ def read_model_facts(model_dir: Path) -> ModelFacts:
     return ModelFacts(str(model_dir), vocab, tuple(eos), int(config.get("max_position_embeddings") or 2048))
 
 
+def redact_url(url: str) -> str:
+    """``url`` without userinfo, query and fragment: safe for labels, errors and logs."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port
+    except ValueError:
+        return "<invalid url>"
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    netloc = f"{host}:{port}" if port is not None else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
 def _read_json_or_empty(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -121,6 +146,7 @@ class StreamState:
     request: GenerateRequest
     seen_tokens: int = 0
     aborted: bool = False
+    admitted: bool = False
     response: httpx.Response | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -158,12 +184,19 @@ class RemoteEngine:
         self.url = url.rstrip("/")
         self.config = config
         self.facts = facts
-        self.label = f"{self.engine_name} replica {replica or self.url} ({self.url})"
+        shown = redact_url(self.url)
+        self.label = f"{self.engine_name} replica {replica or shown} ({shown})"
         self.wire = Wire(self.label)
         self._tokenizer = tokenizer
         self._served_name = config.served_model_name
         self._version = 0
         self._live: dict[str, StreamState] = {}
+        self._admitting = asyncio.Event()  # cleared while weights are being replaced
+        self._admitting.set()
+        self._in_flight = 0
+        self._idle = asyncio.Event()  # set while no generation is in flight
+        self._idle.set()
+        self._update_lock = asyncio.Lock()
         self._start_problem = ""
         self._explicit_model = bool(model or config.served_model_name)
         self.counters = EngineCounters()
@@ -188,7 +221,7 @@ class RemoteEngine:
             max_model_len=config.max_model_len or facts.max_position_embeddings,
             eos_token_ids=facts.eos_token_ids,
             supports_weight_updates=self.supports_weight_updates,
-            replica=replica or self.url,
+            replica=replica or shown,
         )
 
     # -- Engine protocol: properties -------------------------------------------------------
@@ -367,6 +400,41 @@ class RemoteEngine:
     async def update_weights(self, update: WeightUpdate) -> None:
         raise Unimplemented(f"{self.engine_name} cannot load new weights through this adapter")
 
+    @contextlib.asynccontextmanager
+    async def exclusive_update(self) -> AsyncIterator[None]:
+        """Hold new generations and drain in-flight ones around a weight reload (module docstring).
+
+        The drain is bounded by ``weight_update_timeout_s``; turns still running then are
+        aborted (they end with ``ABORT``, every token of the old version) before the reload.
+        """
+        async with self._update_lock:
+            self._admitting.clear()
+            try:
+                timeout = self.config.weight_update_timeout_s
+                try:
+                    await asyncio.wait_for(self._idle.wait(), timeout)
+                except TimeoutError:
+                    log.warning(
+                        "%s: %d turns still running after weight_update_timeout_s = %s s; aborting them "
+                        "before the weight reload",
+                        self.label,
+                        self._in_flight,
+                        timeout,
+                    )
+                    for request_id, state in list(self._live.items()):
+                        if state.admitted:  # not the turns held at the gate: they run after the reload
+                            await self.abort(request_id)
+                    try:
+                        await asyncio.wait_for(self._idle.wait(), self.config.control_timeout_s)
+                    except TimeoutError:
+                        raise DeadlineExceeded(
+                            f"{self.label} still has {self._in_flight} turns running after aborting them; "
+                            "weights not reloaded"
+                        ) from None
+                yield
+            finally:
+                self._admitting.set()
+
     async def prometheus(self, names: tuple[str, ...], path: str = "/metrics") -> dict[str, float]:
         """Scrape the engine's Prometheus endpoint for ``names`` (summed over labels)."""
         response = await self.request("GET", path)
@@ -375,13 +443,25 @@ class RemoteEngine:
     # -- generation -----------------------------------------------------------------------------
 
     def cache_salt(self, request: GenerateRequest) -> str:
-        return request.cache_salt or f"{self._info.model}@{self._version}"
+        return self._salt(request, self._version)
+
+    def _salt(self, request: GenerateRequest, version: int) -> str:
+        """The request's salt, or ``model@version``; a ``model@N`` salt naming another version than
+        the one that will run (the turn was held behind a weight update) is moved to ``version``."""
+        if not request.cache_salt:
+            return f"{self._info.model}@{version}"
+        model, sep, named = request.cache_salt.rpartition("@")
+        if sep and named.isdigit() and int(named) != version:
+            return f"{model}@{version}"
+        return request.cache_salt
 
     async def abort(self, request_id: str) -> None:
         state = self._live.get(request_id)
         if state is None or state.aborted:
             return
         state.aborted = True
+        if state.response is None:
+            return  # nothing opened yet: the stream is closed as soon as its headers arrive
         try:
             await self.send_abort(state)
         except PrimeRLError as exc:  # the stream is dropped below either way
@@ -393,26 +473,43 @@ class RemoteEngine:
         """Stream one turn (see ``engines.base.Engine.generate``)."""
         state = StreamState(request)
         self._live[request.request_id] = state
-        version = self._version
-        payload = self.build_payload(request, self.cache_salt(request))
         finish: FinishReason | None = None
         usage: Usage | None = None
         tail = Delta([], [])  # the finishing tokens wait for the usage that follows them
         produced = 0
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._request_timeout_s
         try:
-            async with self._open_stream(payload) as response:
+            await self._admitting.wait()  # held while a weight update runs on this replica
+        except BaseException:
+            self._live.pop(request.request_id, None)
+            raise
+        # From here to the end no weight update can start (it waits for _idle): one version.
+        state.admitted = True
+        version = self._version
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            if state.aborted:  # aborted while held at the gate: the engine never saw it
+                usage = Usage(prompt_tokens=len(request.token_ids), cached_tokens=0, generated_tokens=0)
+                yield TokenChunk((), (), version, finish_reason=FinishReason.ABORT, usage=usage)
+                return
+            payload = self.build_payload(request, self._salt(request, version))
+            # The turn's deadline bounds every wait on the engine (open, each read; keep-alive
+            # comments are read inside iter_sse) but not the consumer's time between chunks:
+            # an asyncio.timeout held across a yield would cancel the consumer's code instead.
+            deadline = asyncio.get_running_loop().time() + self._request_timeout_s
+            async with self._open_stream(payload, deadline) as response:
                 state.response = response
+                if state.aborted:  # abort() came before the headers: stop the engine now
+                    with contextlib.suppress(PrimeRLError):
+                        await self.send_abort(state)
+                    await response.aclose()
+                events = iter_sse(response)
                 try:
-                    async for text in iter_sse(response):
-                        if text.strip() == "[DONE]":
+                    while True:
+                        async with asyncio.timeout_at(deadline):
+                            text = await anext(events, None)
+                        if text is None or text.strip() == "[DONE]":
                             break
-                        if loop.time() > deadline:
-                            raise DeadlineExceeded(
-                                f"{self.label} took longer than engine.request_timeout_s = "
-                                f"{self._request_timeout_s} s for one turn ({produced} tokens so far)"
-                            )
                         data = self.wire.loads(text, "stream event")
                         if isinstance(data, dict) and data.get("error"):
                             raise self.stream_error(data["error"], produced)
@@ -439,6 +536,8 @@ class RemoteEngine:
                         f"{self.label} sent nothing for {self._stream_timeout.read} s "
                         f"(engine.request_timeout_s) after {produced} tokens"
                     ) from None
+                finally:
+                    await events.aclose()
             if state.aborted:
                 finish = FinishReason.ABORT
             elif finish is None:
@@ -447,15 +546,32 @@ class RemoteEngine:
                 usage = Usage(prompt_tokens=len(request.token_ids), cached_tokens=0, generated_tokens=produced)
             self._count(usage)
             yield TokenChunk(tuple(tail.token_ids), tuple(tail.logprobs), version, finish_reason=finish, usage=usage)
+        except TimeoutError:
+            self._count_error("DEADLINE_EXCEEDED")
+            if state.response is None:
+                raise DeadlineExceeded(
+                    f"{self.label} did not start answering within engine.request_timeout_s = "
+                    f"{self._request_timeout_s} s"
+                ) from None
+            raise DeadlineExceeded(
+                f"{self.label} took longer than engine.request_timeout_s = "
+                f"{self._request_timeout_s} s for one turn ({produced} tokens so far)"
+            ) from None
         except PrimeRLError as exc:
-            key = f"errors_{exc.code.lower()}"  # e.g. errors_unavailable, exported as primerl_engine_stat
-            self.counters.extra[key] = self.counters.extra.get(key, 0) + 1
+            self._count_error(exc.code)
             raise
         finally:
             self._live.pop(request.request_id, None)
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
 
-    def _open_stream(self, payload: dict[str, Any]) -> _StreamContext:
-        return _StreamContext(self, payload)
+    def _count_error(self, code: str) -> None:
+        key = f"errors_{code.lower()}"  # e.g. errors_unavailable, exported as primerl_engine_stat
+        self.counters.extra[key] = self.counters.extra.get(key, 0) + 1
+
+    def _open_stream(self, payload: dict[str, Any], deadline: float | None = None) -> _StreamContext:
+        return _StreamContext(self, payload, deadline)
 
     def _count(self, usage: Usage) -> None:
         c = self.counters
@@ -468,12 +584,17 @@ class RemoteEngine:
 class _StreamContext:
     """``async with``: open the generation stream (with connect retries) and check its status."""
 
-    def __init__(self, engine: RemoteEngine, payload: dict[str, Any]) -> None:
+    def __init__(self, engine: RemoteEngine, payload: dict[str, Any], deadline: float | None = None) -> None:
         self.engine = engine
         self.payload = payload
+        self.deadline = deadline
         self.response: httpx.Response | None = None
 
     async def __aenter__(self) -> httpx.Response:
+        async with asyncio.timeout_at(self.deadline):  # TimeoutError: the turn's deadline passed
+            return await self._open()
+
+    async def _open(self) -> httpx.Response:
         e = self.engine
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + e.config.retry_budget_s
@@ -559,7 +680,7 @@ async def make_remote_engines(config: EngineConfig) -> list[RemoteEngine]:
         )
     for url in config.urls:
         if not url.startswith(("http://", "https://")):
-            raise InvalidArgument(f"engine URL {url!r} must start with http:// or https://")
+            raise InvalidArgument(f"engine URL {redact_url(url)!r} must start with http:// or https://")
     source = section.tokenizer_dir or config.model or None
     try:
         model_dir = await asyncio.to_thread(resolve_model_dir, source)

@@ -137,21 +137,22 @@ class SglangEngine(RemoteEngine):
         """``/update_weights_from_disk`` with the new ``weight_version`` (and a cache flush)."""
         if not update.checkpoint_path:
             raise InvalidArgument("checkpoint_path is empty: name the directory SGLang should load")
-        response = await self.request(
-            "POST",
-            "/update_weights_from_disk",
-            json_body={
-                "model_path": update.checkpoint_path,
-                "abort_all_requests": False,
-                "weight_version": str(update.policy_version),
-                "flush_cache": self.config.flush_cache_on_update and not update.keep_kv,
-            },
-            timeout=self.config.weight_update_timeout_s,
-        )
-        body = self.wire.obj(self.wire.loads(response.text, "update_weights_from_disk"), "update_weights_from_disk")
-        if body.get("success") is not True:
-            raise InvalidArgument(f"{self.label} could not load {update.checkpoint_path!r}: {body.get('message')}")
-        self._version = update.policy_version
+        async with self.exclusive_update():  # no turn in flight while the weights change
+            response = await self.request(
+                "POST",
+                "/update_weights_from_disk",
+                json_body={
+                    "model_path": update.checkpoint_path,
+                    "abort_all_requests": False,
+                    "weight_version": str(update.policy_version),
+                    "flush_cache": self.config.flush_cache_on_update and not update.keep_kv,
+                },
+                timeout=self.config.weight_update_timeout_s,
+            )
+            body = self.wire.obj(self.wire.loads(response.text, "update_weights_from_disk"), "update_weights_from_disk")
+            if body.get("success") is not True:
+                raise InvalidArgument(f"{self.label} could not load {update.checkpoint_path!r}: {body.get('message')}")
+            self._version = update.policy_version
 
     async def refresh_stats(self) -> None:
         """Cached/prompt token counters and KV usage into ``counters.extra`` (needs ``--enable-metrics``)."""

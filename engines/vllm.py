@@ -163,27 +163,28 @@ class VllmEngine(RemoteEngine):
         path = update.checkpoint_path
         if self.config.validate_weight_dir:
             path = str(check_weight_dir(path).resolve())
-        try:
-            await self.request(
-                "POST",
-                "/collective_rpc",
-                json_body={
-                    "method": "reload_weights",
-                    "kwargs": {"weights_path": path},
-                    "timeout": self.config.weight_update_timeout_s,
-                },
-                timeout=self.config.weight_update_timeout_s,
-            )
-        except Unimplemented:
-            raise Unimplemented(
-                f"{self.label} has no /collective_rpc endpoint: start vLLM with VLLM_SERVER_DEV_MODE=1 "
-                "(`primerl engine launch vllm` does) to allow weight reloads"
-            ) from None
-        self._version = update.policy_version
-        if self.config.reset_prefix_cache_on_update and not update.keep_kv:
-            # Only frees memory: the cache salt already keeps old KV from being used.
-            with contextlib.suppress(PrimeRLError):
-                await self.request("POST", "/reset_prefix_cache")
+        async with self.exclusive_update():  # no turn in flight while the weights change
+            try:
+                await self.request(
+                    "POST",
+                    "/collective_rpc",
+                    json_body={
+                        "method": "reload_weights",
+                        "kwargs": {"weights_path": path},
+                        "timeout": self.config.weight_update_timeout_s,
+                    },
+                    timeout=self.config.weight_update_timeout_s,
+                )
+            except Unimplemented:
+                raise Unimplemented(
+                    f"{self.label} has no /collective_rpc endpoint: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                    "(`primerl engine launch vllm` does) to allow weight reloads"
+                ) from None
+            self._version = update.policy_version
+            if self.config.reset_prefix_cache_on_update and not update.keep_kv:
+                # Only frees memory: the cache salt already keeps old KV from being used.
+                with contextlib.suppress(PrimeRLError):
+                    await self.request("POST", "/reset_prefix_cache")
 
     async def refresh_stats(self) -> None:
         """Prefix-cache counters and KV usage into ``counters.extra`` (read by the bridge's /metrics)."""

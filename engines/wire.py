@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -79,7 +79,7 @@ class Wire:
         return default if value is None else self.int_(value, where)
 
 
-async def iter_sse(response: httpx.Response) -> AsyncIterator[str]:
+async def iter_sse(response: httpx.Response) -> AsyncGenerator[str, None]:
     """The ``data`` payload of each server-sent event, read incrementally.
 
     Multi-line ``data:`` fields are joined with newlines (the SSE rule); comments and other

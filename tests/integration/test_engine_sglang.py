@@ -22,7 +22,13 @@ from engines.sglang import SglangEngine
 from engines.toy import ToyEngine
 from engines.types import FinishReason, GenerateRequest, SamplingParams, TokenChunk, WeightUpdate
 from rl_client.errors import AbortedError, DeadlineExceededError, UnavailableError
-from server.errors import EngineProtocolError, EngineUnavailable, InvalidArgument, TokenOutOfVocabulary
+from server.errors import (
+    DeadlineExceeded,
+    EngineProtocolError,
+    EngineUnavailable,
+    InvalidArgument,
+    TokenOutOfVocabulary,
+)
 from tests.integration.engine_script import bridge_over, end_when_idle, run_episode_script
 from tests.standins._common import StandinServer
 from tests.standins.sglang import SglangStandin
@@ -151,18 +157,132 @@ async def test_unrequested_abort_is_an_aborted_error(standin) -> None:  # type: 
 
 
 async def test_weight_update_sends_version_and_flush(standin) -> None:  # type: ignore[no-untyped-def]
+    """What the stand-in received: the update's version and flush, then the new version's salt."""
     sg, server, toy = standin
     eng = adapter(server.url, toy)
-    before = await collect(eng, request(seed=1, max_tokens=8, ignore_eos=True))
+    unsalted = GenerateRequest("u0", PROMPT, SamplingParams(seed=1, max_tokens=8, ignore_eos=True))
+    before = await collect(eng, unsalted)
+    assert sg.requests[-1]["cache_salt"] == "toy@0" and sg.received[-1].cache_salt == "toy@0"
     await eng.update_weights(WeightUpdate("/", 1))
     assert eng.policy_version == 1 and sg.weight_version == "1" and toy.policy_version == 1
-    after = await collect(eng, request(seed=1, max_tokens=8, ignore_eos=True))
+    assert sg.weight_updates[-1]["weight_version"] == "1" and sg.weight_updates[-1]["flush_cache"] is True
+    assert sg.flushes == ["update_weights_from_disk"]
+    after = await collect(eng, GenerateRequest("u1", PROMPT, SamplingParams(seed=1, max_tokens=8, ignore_eos=True)))
     assert after[-1].policy_version == 1
+    # The salt is the adapter's own (no salt in the request), and it reached the backing engine.
+    assert sg.requests[-1]["cache_salt"] == "toy@1" and sg.received[-1].cache_salt == "toy@1"
     assert [x for c in before for x in c.logprobs] != [x for c in after for x in c.logprobs]
+    await eng.update_weights(WeightUpdate("/", 2, keep_kv=True))
+    assert sg.weight_updates[-1]["flush_cache"] is False and sg.flushes == ["update_weights_from_disk"]
     with pytest.raises(InvalidArgument, match=r"could not load|does not exist"):
-        await eng.update_weights(WeightUpdate("/no/such/dir", 2))
-    assert eng.policy_version == 1
-    assert sg.requests[-1]["cache_salt"] == "toy@0"  # the bridge's salt is used as given
+        await eng.update_weights(WeightUpdate("/no/such/dir", 3))
+    assert eng.policy_version == 2 and sg.flushes == ["update_weights_from_disk"]
+    await collect(eng, GenerateRequest("b", PROMPT, SamplingParams(max_tokens=2), cache_salt="toy@2"))
+    assert sg.requests[-1]["cache_salt"] == "toy@2" and sg.received[-1].cache_salt == "toy@2"  # used as given
+    await collect(eng, request(rid="stale"))  # a salt naming an older version is moved to the one running
+    assert sg.requests[-1]["cache_salt"] == "toy@2" and sg.received[-1].cache_salt == "toy@2"
+    await eng.close()
+
+
+def slow(toy: ToyEngine) -> None:
+    toy.config = toy.config.model_copy(update={"token_delay_s": 0.01, "yield_every": 1})
+
+
+async def test_update_waits_for_the_turn_in_flight_so_no_turn_straddles_versions(standin) -> None:  # type: ignore[no-untyped-def]
+    sg, server, toy = standin
+    slow(toy)
+    eng = adapter(server.url, toy)
+    stream = eng.generate(GenerateRequest("long", PROMPT, SamplingParams(max_tokens=40, ignore_eos=True)))
+    chunks = [await anext(stream)]  # the turn is running on the engine
+    update = asyncio.create_task(eng.update_weights(WeightUpdate("/", 1)))
+    # A turn asked for while the update is pending is held, then runs on the new weights.
+    later = asyncio.create_task(collect(eng, request(rid="later", max_tokens=3)))
+    await asyncio.sleep(0.1)
+    assert not update.done() and not sg.weight_updates and len(sg.requests) == 1  # nothing reached the engine
+    chunks += [c async for c in stream]
+    await update
+    assert [c.policy_version for c in chunks] == [0] * len(chunks) and chunks[-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(c.token_ids) for c in chunks) == 40
+    assert sg.weight_updates[0]["running"] == 0  # the engine reloaded with nothing in flight
+    held = await later
+    assert {c.policy_version for c in held} == {1}
+    # It carried the bridge's salt for version 0 ("toy@0"); it ran on version 1, so it is salted "toy@1".
+    assert sg.requests[-1]["rid"] == "later" and sg.requests[-1]["cache_salt"] == "toy@1"
+    assert sg.received[-1].cache_salt == "toy@1"
+    await eng.close()
+
+
+async def test_update_aborts_turns_still_running_at_the_weight_update_timeout(standin) -> None:  # type: ignore[no-untyped-def]
+    sg, server, toy = standin
+    slow(toy)
+    eng = adapter(server.url, toy, weight_update_timeout_s=0.3)
+    stream = eng.generate(GenerateRequest("endless", PROMPT, SamplingParams(max_tokens=2000, ignore_eos=True)))
+    chunks = [await anext(stream)]
+    update = asyncio.create_task(eng.update_weights(WeightUpdate("/", 1)))
+    chunks += [c async for c in stream]
+    await asyncio.wait_for(update, 5)
+    assert chunks[-1].finish_reason == FinishReason.ABORT and {c.policy_version for c in chunks} == {0}
+    assert sum(len(c.token_ids) for c in chunks) < 200
+    assert sg.weight_updates[0]["running"] == 0 and eng.policy_version == 1
+    await eng.close()
+
+
+async def test_abort_before_the_response_headers_stops_the_stream_once_it_opens(standin) -> None:  # type: ignore[no-untyped-def]
+    sg, server, toy = standin
+    slow(toy)
+    sg.faults.first_byte_delay_s = 0.3
+    eng = adapter(server.url, toy)
+    turn = asyncio.create_task(collect(eng, request(rid="early", max_tokens=300, ignore_eos=True)))
+    for _ in range(200):  # until the engine has the request, but has not answered yet
+        if sg.requests:
+            break
+        await asyncio.sleep(0.01)
+    await eng.abort("early")
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    chunks = await asyncio.wait_for(turn, 10)
+    assert chunks[-1].finish_reason == FinishReason.ABORT
+    assert sum(len(c.token_ids) for c in chunks) < 30 and loop.time() - t0 < 1.5  # not 300 tokens x 10 ms
+    for _ in range(100):
+        if not sg.running:
+            break
+        await asyncio.sleep(0.01)
+    assert sg.running == 0  # the engine-side request is gone too
+    await eng.close()
+
+
+async def test_keep_alive_comments_cannot_extend_a_turn_past_request_timeout(standin) -> None:  # type: ignore[no-untyped-def]
+    sg, server, toy = standin
+    sg.faults.keepalive_stall_s = 4.0
+    eng = SglangEngine(
+        server.url,
+        SglangConfig(connect_retries=0),
+        ModelFacts("toy", toy.info.vocab_size, toy.info.eos_token_ids, toy.info.max_model_len),
+        model="toy",
+        request_timeout_s=0.5,
+        replica="sglang-0",
+    )
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(DeadlineExceeded, match=r"request_timeout_s = 0.5 s for one turn"):
+        await collect(eng, request(max_tokens=4))
+    assert loop.time() - t0 < 1.5  # the 50 ms comments keep the read timeout from firing
+    assert eng.counters.extra["errors_deadline_exceeded"] == 1
+    await eng.close()
+
+
+async def test_replica_label_and_errors_never_show_url_credentials_or_query() -> None:
+    toy = ToyEngine(ToyConfig())
+    facts = ModelFacts("toy", toy.info.vocab_size, toy.info.eos_token_ids, toy.info.max_model_len)
+    url = "http://trainer:s3cret@127.0.0.1:9/sglang?api_key=k3y#frag"
+    eng = SglangEngine(url, SglangConfig(connect_retries=0), facts, model="toy")  # no replica name: the URL is it
+    for text in (eng.label, eng.info.replica):
+        assert "s3cret" not in text and "k3y" not in text and "trainer" not in text and "frag" not in text
+    assert eng.label == "sglang replica http://127.0.0.1:9/sglang (http://127.0.0.1:9/sglang)"
+    with pytest.raises(EngineUnavailable) as err:
+        await collect(eng, request())
+    assert "s3cret" not in err.value.message and "k3y" not in err.value.message
+    assert "127.0.0.1:9/sglang" in err.value.message
     await eng.close()
 
 

@@ -67,6 +67,8 @@ async def test_request_passes_strict_validation_with_every_knob(standin) -> None
     assert body["seed"] == 5 and body["max_tokens"] == 4 and body["top_k"] == 7
     for absent in ("cache_salt", "return_token_ids", "return_tokens_as_token_ids", "request_id"):
         assert absent not in body
+    # End to end: the backing engine gets no salt (trtllm-serve has none, and no weight updates).
+    assert [r.cache_salt for r in trt.received] == [""] and trt.received[-1].token_ids == PROMPT
     async with httpx.AsyncClient() as http:  # what the adapter must not send is really rejected
         for extra in ({"cache_salt": "x"}, {"return_token_ids": True}):
             r = await http.post(f"{server.url}/v1/completions", json={**body, "stream": False, **extra})

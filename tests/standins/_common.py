@@ -31,6 +31,17 @@ class Faults:
     """Wait this long before answering a generation request (a slow engine)."""
     unhealthy: bool = False
     """/health answers 503."""
+    keepalive_stall_s: float = 0.0
+    """After the response headers, send only SSE keep-alive comments (every 50 ms) for this long."""
+
+
+async def keepalive_stall(faults: Faults) -> AsyncIterator[bytes]:
+    """The ``keepalive_stall_s`` fault: comments that reset a read timeout but carry no event."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + faults.keepalive_stall_s
+    while loop.time() < until:
+        yield b": keep-alive\n\n"
+        await asyncio.sleep(0.05)
 
 
 class StandinServer:
@@ -92,9 +103,26 @@ def clamp_inf(x: float) -> float:
     return max(x, -9999.0) if not math.isnan(x) else x
 
 
-async def generate(engine: Engine, ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator[TokenChunk]:
-    """Run the backing engine; the engine request is aborted if the consumer goes away."""
-    request = GenerateRequest(request_id=rid or uuid.uuid4().hex, token_ids=tuple(ids), params=params)
+async def generate(
+    engine: Engine,
+    ids: list[int],
+    params: SamplingParams,
+    rid: str,
+    *,
+    cache_salt: str = "",
+    received: list[GenerateRequest] | None = None,
+) -> AsyncIterator[TokenChunk]:
+    """Run the backing engine; the engine request is aborted if the consumer goes away.
+
+    ``cache_salt`` (what the wire carried) reaches the backing engine, so a KV-caching engine
+    behind the stand-in is salted as the real server would be; ``received`` records each
+    request handed to the backing engine (tests check what arrived end to end).
+    """
+    request = GenerateRequest(
+        request_id=rid or uuid.uuid4().hex, token_ids=tuple(ids), params=params, cache_salt=cache_salt
+    )
+    if received is not None:
+        received.append(request)
     stream = engine.generate(request)
     done = False
     try:

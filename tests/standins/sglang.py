@@ -41,9 +41,18 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from engines.base import Engine
-from engines.types import FinishReason, SamplingParams, WeightUpdate
+from engines.types import FinishReason, GenerateRequest, SamplingParams, WeightUpdate
 from server.errors import PrimeRLError
-from tests.standins._common import Faults, StandinServer, decode, error_json, generate, null_if_inf, sse
+from tests.standins._common import (
+    Faults,
+    StandinServer,
+    decode,
+    error_json,
+    generate,
+    keepalive_stall,
+    null_if_inf,
+    sse,
+)
 
 TOP_LEVEL_KEYS = frozenset(
     [
@@ -136,6 +145,12 @@ class SglangStandin:
     running: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     """Every /generate body received (tests inspect what the adapter sent)."""
+    received: list[GenerateRequest] = field(default_factory=list)
+    """Every request handed to the backing engine (with the ``cache_salt`` the wire carried)."""
+    weight_updates: list[dict[str, Any]] = field(default_factory=list)
+    """Every /update_weights_from_disk body, plus ``running``: generations running when it arrived."""
+    flushes: list[str] = field(default_factory=list)
+    """Each radix-cache flush done, by what asked for it (``update_weights_from_disk`` or ``flush_cache``)."""
     _rids: dict[str, list[str]] = field(default_factory=dict)
 
     def app(self) -> Starlette:
@@ -251,6 +266,8 @@ class SglangStandin:
         base_rid = rid if isinstance(rid, str) and rid else f"standin-{time.monotonic_ns()}"
         rids = [base_rid] if n == 1 else [f"{base_rid}_{i}" for i in range(n)]
         self._rids[base_rid] = rids
+        salt = body.get("cache_salt")
+        options["cache_salt"] = salt if isinstance(salt, str) else ""
         logprob = bool(body.get("return_logprob", False))
         text_lp = bool(body.get("return_text_in_logprobs", False))
         started = time.perf_counter()
@@ -284,6 +301,9 @@ class SglangStandin:
     ) -> AsyncIterator[bytes]:
         sent = 0
         try:
+            if self.faults.keepalive_stall_s:
+                async for comment in keepalive_stall(self.faults):
+                    yield comment
             for i, r in enumerate(rids):
                 member = params if params.seed is None else _reseed(params, params.seed + i)
                 async for event in self._events(ids, member, options, r, logprob, text_lp, started, True):
@@ -323,7 +343,8 @@ class SglangStandin:
         emitted = 0
         self.running += 1
         try:
-            async for chunk in generate(self.engine, ids, params, rid):
+            salt = options.get("cache_salt", "")
+            async for chunk in generate(self.engine, ids, params, rid, cache_salt=salt, received=self.received):
                 out_ids.extend(chunk.token_ids)
                 out_lps.extend(chunk.logprobs)
                 finish: dict[str, Any] | None = None
@@ -427,6 +448,7 @@ class SglangStandin:
 
     async def update_weights_from_disk(self, request: Request) -> Response:
         body = await request.json()
+        self.weight_updates.append({**body, "running": self.running})
         path = body.get("model_path")
         if not isinstance(path, str) or not await asyncio.to_thread(Path(path).exists):
             return JSONResponse(
@@ -443,6 +465,8 @@ class SglangStandin:
         await self.engine.update_weights(WeightUpdate(path, numeric))
         if version is not None:
             self.weight_version = str(version)
+        if body.get("flush_cache", True):  # SGLang's default: flush the radix cache after loading
+            self.flushes.append("update_weights_from_disk")
         return JSONResponse(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
@@ -453,6 +477,7 @@ class SglangStandin:
     async def flush_cache(self, request: Request) -> Response:
         if self.running:
             return PlainTextResponse("Cache not flushed: there are running or waiting requests.", status_code=400)
+        self.flushes.append("flush_cache")
         return PlainTextResponse("Cache flushed.")
 
     async def metrics(self, request: Request) -> Response:

@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engines.base import Engine
-from engines.types import FinishReason, SamplingParams, TokenChunk
+from engines.types import FinishReason, GenerateRequest, SamplingParams, TokenChunk
 from server.errors import PrimeRLError
 from tests.standins._common import Faults, StandinServer, clamp_inf, decode, generate, sse
 
@@ -118,6 +118,8 @@ class TrtllmStandin:
     faults: Faults = field(default_factory=Faults)
     requests: list[dict[str, Any]] = field(default_factory=list)
     """Every /v1/completions body received (tests inspect what the adapter sent)."""
+    received: list[GenerateRequest] = field(default_factory=list)
+    """Every request handed to the backing engine (no salt: trtllm-serve has no ``cache_salt``)."""
     iterations: int = 0
 
     def app(self) -> Starlette:
@@ -230,7 +232,7 @@ class TrtllmStandin:
         choices = []
         prompt_tokens = cached = completion = 0
         for index, prompt, p in jobs:
-            chunks = [c async for c in generate(self.engine, prompt, p, f"{cid}-{index}")]
+            chunks = [c async for c in generate(self.engine, prompt, p, f"{cid}-{index}", received=self.received)]
             ids = [t for c in chunks for t in c.token_ids]
             lps = [lp for c in chunks for lp in c.logprobs]
             last = chunks[-1]
@@ -291,7 +293,7 @@ class TrtllmStandin:
         try:
             for index, prompt, p in jobs:
                 chunk: TokenChunk
-                async for chunk in generate(self.engine, prompt, p, f"{cid}-{index}"):
+                async for chunk in generate(self.engine, prompt, p, f"{cid}-{index}", received=self.received):
                     if not chunk.token_ids and chunk.finish_reason is None:
                         continue
                     completion += len(chunk.token_ids)

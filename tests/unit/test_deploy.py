@@ -20,6 +20,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from engines.launch import VLLM_RL_FLAGS, vllm_command
+from server.auth import hash_token, load_tenants
 from server.config import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +164,12 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
 
 
 MIG_VALUES = yaml.safe_load((CHART / "values-mig.yaml").read_text())
+TOKENS = {"team-a": "token-of-a", "trainer-b": "s3cret b"}
+AUTH_VALUES = {
+    "enabled": True,
+    "tokens": [{"tenant": t, "sha256": hash_token(tok)} for t, tok in TOKENS.items()],
+    "adminTenants": ["trainer-b"],
+}
 VALUE_SETS = {
     "default": None,
     "mig": MIG_VALUES,
@@ -169,7 +177,7 @@ VALUE_SETS = {
         "bridge": {"engine": {"type": "embedded"}, "gpu": {"migProfile": "1g.10gb"}, "autoscaling": {"enabled": False}},
         "engines": {"vllm": {"enabled": False}},
         "redis": {"enabled": False, "externalUrl": "redis://redis.example:6379/0"},
-        "auth": {"enabled": True, "tokens": [{"tenant": "a", "token": "t"}]},
+        "auth": AUTH_VALUES,
         "tracing": {"otlpEndpoint": "http://otel-collector:4317"},
     },
 }
@@ -253,10 +261,11 @@ def test_embedded_engine_puts_the_gpu_on_the_bridge_and_uses_external_redis_and_
     env = {e["name"]: e for e in container["env"]}
     assert env["PRIMERL_ENGINE__URLS"]["value"] == "[]"
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel-collector:4317"
-    assert env["PRIMERL_AUTH__TOKENS"]["valueFrom"]["secretKeyRef"]["key"] == "auth-tokens"
+    assert env["PRIMERL_AUTH__TOKENS_FILE"]["value"] == "/etc/primerl/auth/tokens"
     secret = by_kind(docs, "Secret")["primerl-secrets"]["stringData"]
     assert secret["redis-url"] == "redis://redis.example:6379/0"
-    assert json.loads(secret["auth-tokens"]) == [{"tenant": "a", "token": "t"}]
+    assert secret["auth-tokens"] == "".join(f"{t}:{hash_token(tok)}\n" for t, tok in TOKENS.items())
+    assert not any(tok in str(docs) for tok in TOKENS.values())  # only digests, never a token
     assert bridge["spec"]["replicas"] == 2 and not by_kind(docs, "HorizontalPodAutoscaler")
 
 
@@ -270,12 +279,96 @@ def test_rendered_bridge_environment_is_real_bridge_settings(monkeypatch: pytest
     assert (s.server.port, s.metrics.port, s.server.grace_period_s) == (50051, 9300, 30.0)
 
 
+def bridge_environment(docs: list[dict[str, Any]], files: Path, secrets: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The bridge container's environment as the kubelet would give it: Secret-backed env values
+    resolved, and Secret volumes written under ``files`` (paths in the env rewritten to them).
+
+    ``secrets`` are Secrets the user brought (``existingSecret``); the chart's own come from ``docs``.
+    """
+    pod = by_kind(docs, "Deployment")["primerl-bridge"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    data = {**secrets, **{name: d.get("stringData", {}) for name, d in by_kind(docs, "Secret").items()}}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounted: dict[str, Path] = {}  # mount path in the pod -> where its files were written here
+    for mount in container["volumeMounts"]:
+        source = volumes[mount["name"]].get("secret")
+        if source is None:
+            continue
+        assert mount.get("readOnly") is True, mount
+        local = files / mount["name"]
+        local.mkdir(parents=True)
+        secret = data[source["secretName"]]  # KeyError: the volume names a Secret that does not exist
+        for item in source.get("items") or [{"key": k, "path": k} for k in secret]:
+            (local / item["path"]).write_text(secret[item["key"]])
+        mounted[mount["mountPath"]] = local
+    env = {}
+    for e in container["env"]:
+        if "valueFrom" in e:
+            ref = e["valueFrom"]["secretKeyRef"]
+            value = data[ref["name"]][ref["key"]]
+        else:
+            value = e["value"]
+        for pod_path, local in mounted.items():
+            if value.startswith(pod_path + "/"):
+                value = str(local / value[len(pod_path) + 1 :])
+        env[e["name"]] = value
+    return env
+
+
+def test_rendered_auth_loads_as_bridge_settings_with_the_tenants(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    docs = render({"auth": AUTH_VALUES})
+    for name, value in bridge_environment(docs, tmp_path, {}).items():
+        monkeypatch.setenv(name, value)
+    s = load_settings()  # a rejected auth setting (extra="forbid") raises here
+    assert load_tenants(s.auth) == {hash_token(tok): tenant for tenant, tok in TOKENS.items()}
+    assert s.auth.admin_tenants == ["trainer-b"] and s.auth.token_hashes == []
+    assert not any(tok in str(docs) for tok in TOKENS.values())
+
+
+def test_existing_auth_secret_is_mounted_the_same_way(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    values = {"auth": {"enabled": True, "existingSecret": "team-tokens", "adminTenants": []}}
+    docs = render(values)
+    assert "auth-tokens" not in by_kind(docs, "Secret")["primerl-secrets"]["stringData"]
+    brought = {"team-tokens": {"tokens": f"# trainers\nteam-a:{hash_token('token-of-a')}\n"}}
+    for name, value in bridge_environment(docs, tmp_path, brought).items():
+        monkeypatch.setenv(name, value)
+    s = load_settings()
+    assert load_tenants(s.auth) == {hash_token("token-of-a"): "team-a"} and s.auth.admin_tenants == []
+    for version in KUBE_VERSIONS:
+        for doc in docs:
+            if doc["kind"] not in CRD_KINDS:
+                kubernetes_validate.validate(doc, version, strict=True)
+    assert not helm.lint(CHART, values, strict=True)["errors"]
+
+
+def test_chart_vllm_engine_has_every_rl_flag_dev_mode_and_the_tested_release() -> None:
+    container = by_kind(render(), "StatefulSet")["primerl-vllm"]["spec"]["template"]["spec"]["containers"][0]
+    args: list[str] = []
+    for arg in container["args"]:  # `--flag=value` and `--flag value` are the same to vLLM
+        args += arg.split("=", 1) if arg.startswith("--") and "=" in arg else [arg]
+    for flag in VLLM_RL_FLAGS:
+        parts = flag.split()
+        assert any(args[i : i + len(parts)] == parts for i in range(len(args))), f"{flag!r} missing from {args}"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert "VLLM_SERVER_DEV_MODE=1" in vllm_command("m", 8000)  # what the launch profile sets...
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # ...the chart sets too
+    provision = (ROOT / "scripts" / "provision_vllm.sh").read_text()
+    tested = provision.split('VLLM_VERSION="', 1)[1].split('"', 1)[0]
+    assert container["image"] == f"vllm/vllm-openai:v{tested}"
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
         ({"bridge": {"engine": {"type": "sglang"}}}, "engines.sglang.enabled is false"),
         ({"bridge": {"engine": {"type": "llamacpp"}}}, "bridge.engine.type must be"),
         ({"redis": {"enabled": False}}, "set redis.externalUrl"),
+        ({"auth": {"enabled": True}}, "list auth.tokens"),
+        ({"auth": {"enabled": True, "tokens": [{"tenant": "a", "token": "t"}]}}, "plaintext `token`"),
+        ({"auth": {"enabled": True, "tokens": [{"tenant": "a", "sha256": "abc"}]}}, "64 hex digits"),
+        ({"auth": {"enabled": True, "tokens": [{"tenant": "a:b", "sha256": "0" * 64}]}}, "contain no ':'"),
     ],
 )
 def test_values_that_cannot_work_fail_to_render_with_a_clear_message(values: dict[str, Any], message: str) -> None:

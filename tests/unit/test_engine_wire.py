@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engines.http_base import redact_url
 from engines.types import FinishReason
 from engines.vllm import check_weight_dir, vllm_salt
 from engines.wire import Wire, error_message, finish_from_openai, iter_sse, parse_prometheus
@@ -90,3 +91,16 @@ def test_weight_dir_is_checked_before_vllm_sees_it(tmp_path: Path) -> None:
         check_weight_dir(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"x")
     assert check_weight_dir(str(tmp_path)) == tmp_path
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://trainer:s3cret@engine-0:8000/v1?api_key=k#frag", "http://engine-0:8000/v1"),
+        ("https://token@[::1]:8443/", "https://[::1]:8443/"),
+        ("http://engine-1", "http://engine-1"),
+        ("http://u:p@h:99999", "<invalid url>"),  # an unparsable port: show nothing of it
+    ],
+)
+def test_redact_url_drops_userinfo_query_and_fragment(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
