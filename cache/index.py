@@ -1,0 +1,323 @@
+"""Prefix index: which replica holds which prefix block, behind one async protocol.
+
+An entry says "replica r holds block h" (h = a chained block hash, cache/fingerprint.py, so
+holding h means holding the whole prefix up to it). Entries are written **provisionally** at
+routing time (the engine is about to compute them) and **confirmed** by what the engine
+reports after the turn (cached-token counts; the prompt blocks are then in its KV). A
+provisional entry not confirmed within ``provisional_ttl_s`` is ignored by lookups; ``drop``
+removes provisional entries of a turn that failed before prefill.
+
+Per replica the index holds at most ``capacity`` entries (sized to that replica's KV cache).
+Eviction scores (same formulas in the memory and Redis backends):
+
+- ``cost`` (GDSF): ``L + hits x block_size [/ bytes per entry, a constant]`` plus a depth
+  tie-break that keeps a parent above its children; ``L`` (ageing) is the score of the last
+  entry evicted from that replica, so entries not hit for a while fall behind new ones.
+- ``lru``: last-use time (parents a hair newer than children, as engines evict tails first).
+
+Lookups walk the chain from block 0 and stop at the first block no replica still matching
+holds; ``Match.blocks[r]`` is the number of leading blocks replica r holds. A backend that
+cannot answer (Redis down, over budget) returns ``Match(ok=False)``: routing then uses load
+only. Never raises for index trouble; counts it in ``IndexStats``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+Eviction = Literal["cost", "lru"]
+BYTES_PER_ENTRY = 24  # notional: 8 B hash + 8 B replica/state + 8 B score (what a compact store needs)
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Result of one lookup: leading blocks held per replica (replicas with none are absent)."""
+
+    blocks: dict[int, int] = field(default_factory=dict)
+    ok: bool = True  # False: the index gave no information (fail open to load-only routing)
+    looked_up: int = 0  # blocks examined
+
+    def tokens(self, replica: int, block_size: int) -> int:
+        return self.blocks.get(replica, 0) * block_size
+
+
+@dataclass(slots=True)
+class IndexStats:
+    """Counters a bridge exports as metrics (all monotone)."""
+
+    lookups: int = 0
+    fail_open: int = 0  # lookups answered "no information" (errors, budget, backoff)
+    errors: int = 0  # backend errors (lookups and writes)
+    slow: int = 0  # lookups over the budget
+    write_errors: int = 0
+    near_cache_hits: int = 0  # blocks answered from the local near-cache
+    round_trips: int = 0  # backend round trips (Redis pipelines / scripts)
+    evictions: int = 0
+
+
+class PrefixIndex(Protocol):
+    """What routing needs from an index; all methods are safe to call with the backend down."""
+
+    stats: IndexStats
+
+    async def lookup(self, hashes: Sequence[int]) -> Match: ...
+
+    async def record(self, replica: int, hashes: Sequence[int]) -> None:
+        """Routing time: ``replica`` is about to compute/reuse these blocks (provisional; hits counted)."""
+        ...
+
+    async def confirm(self, replica: int, hashes: Sequence[int]) -> None:
+        """Engine report: ``replica`` now holds these blocks."""
+        ...
+
+    async def drop(self, replica: int, hashes: Sequence[int]) -> None:
+        """The turn failed before prefill: remove its still-provisional entries."""
+        ...
+
+    async def forget_replica(self, replica: int) -> None:
+        """The replica restarted or left: everything it held is gone."""
+        ...
+
+    async def pin(self, key: str, replica: int, ttl_s: float) -> int:
+        """Pin ``key`` (episode / group id) to ``replica`` unless pinned already; returns the pinned replica."""
+        ...
+
+    async def pinned(self, key: str) -> int | None: ...
+
+    async def unpin(self, key: str) -> None: ...
+
+    def set_capacity(self, replica: int, blocks: int) -> None: ...
+
+    def entries(self) -> int:
+        """Entries held (for bytes accounting; may be an estimate)."""
+        ...
+
+    async def flush(self) -> None:
+        """Wait for background writes (tests, shutdown)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def score(mode: Eviction, L: float, hits: int, block_size: int, i: int, n: int, now: float) -> float:
+    """Eviction priority of block ``i`` of an ``n``-block chain (higher = kept longer)."""
+    if mode == "lru":
+        return now + (n - i) * 1e-6
+    return L + hits * block_size + 0.5 * (n - i) / n
+
+
+@dataclass(slots=True)
+class _Entry:
+    hits: int = 0
+    until: float = 0.0  # provisional until this time; 0 = confirmed
+    prio: float = 0.0
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class _Shelf:
+    capacity: int
+    count: int = 0
+    L: float = 0.0
+    heap: list[tuple[float, int, int]] = field(default_factory=list)
+
+
+class MemoryIndex:
+    """In-process index (the embedded default, and the simulator's shared index).
+
+    Sync ``*_now`` methods do the work (the simulator calls them with its own clock); the async
+    protocol methods wrap them. One instance can be shared by several routers in one process.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        capacity: int = 31250,
+        eviction: Eviction = "cost",
+        provisional_ttl_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.default_capacity = capacity
+        self.eviction: Eviction = eviction
+        self.provisional_ttl_s = provisional_ttl_s
+        self.clock = clock
+        self.stats = IndexStats()
+        self._holders: dict[int, dict[int, _Entry]] = {}
+        self._shelves: dict[int, _Shelf] = {}
+        self._pins: dict[str, tuple[int, float]] = {}
+        self._seq = itertools.count()
+
+    # -- sync core ----------------------------------------------------------------------
+
+    def _shelf(self, replica: int) -> _Shelf:
+        s = self._shelves.get(replica)
+        if s is None:
+            s = self._shelves[replica] = _Shelf(self.default_capacity)
+        return s
+
+    def set_capacity(self, replica: int, blocks: int) -> None:
+        self._shelf(replica).capacity = max(1, blocks)
+        self._trim(replica)
+
+    def entries(self) -> int:
+        return sum(s.count for s in self._shelves.values())
+
+    def lookup_now(self, hashes: Sequence[int]) -> Match:
+        self.stats.lookups += 1
+        now = self.clock()
+        matched: dict[int, int] = {}
+        alive: set[int] | None = None
+        i = 0
+        for i, h in enumerate(hashes):
+            holders = self._holders.get(h)
+            live = {r for r, e in holders.items() if e.until == 0.0 or e.until > now} if holders else set()
+            nxt = live if alive is None else alive & live
+            for r in (alive or set()) - nxt:
+                matched[r] = i
+            alive = nxt
+            if not alive:
+                break
+        else:
+            i = len(hashes)
+        for r in alive or ():
+            matched[r] = i
+        return Match({r: b for r, b in matched.items() if b > 0}, True, min(i + 1, len(hashes)))
+
+    def record_now(self, replica: int, hashes: Sequence[int]) -> None:
+        now = self.clock()
+        shelf = self._shelf(replica)
+        n = len(hashes)
+        ttl = self.provisional_ttl_s
+        mode, bs, L = self.eviction, self.block_size, shelf.L
+        for i, h in enumerate(hashes):
+            holders = self._holders.get(h)
+            if holders is None:
+                holders = self._holders[h] = {}
+            e = holders.get(replica)
+            if e is None:
+                e = holders[replica] = _Entry(hits=1, until=now + ttl)
+                shelf.count += 1
+                self._push(shelf, e, h, score(mode, L, 1, bs, i, n, now))
+                continue
+            if e.until:
+                e.until = now + ttl
+            e.hits += 1
+            # Scores only grow; the heap keeps the old (lower) score and _trim re-files it lazily.
+            e.prio = max(e.prio, score(mode, L, e.hits, bs, i, n, now))
+        self._trim(replica)
+
+    def confirm_now(self, replica: int, hashes: Sequence[int]) -> None:
+        now = self.clock()
+        shelf = self._shelf(replica)
+        n = len(hashes)
+        for i, h in enumerate(hashes):
+            holders = self._holders.get(h)
+            if holders is None:
+                holders = self._holders[h] = {}
+            e = holders.get(replica)
+            if e is None:
+                e = holders[replica] = _Entry(hits=1)
+                shelf.count += 1
+                self._push(shelf, e, h, score(self.eviction, shelf.L, 1, self.block_size, i, n, now))
+            e.until = 0.0
+        self._trim(replica)
+
+    def drop_now(self, replica: int, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            e = self._holders.get(h, {}).get(replica)
+            if e is not None and e.until:
+                self._remove(replica, h)
+
+    def forget_replica_now(self, replica: int) -> None:
+        shelf = self._shelves.pop(replica, None)
+        if shelf is None:
+            return
+        for _, _, h in shelf.heap:
+            holders = self._holders.get(h)
+            if holders is not None and holders.pop(replica, None) is not None and not holders:
+                del self._holders[h]
+        self._shelves[replica] = _Shelf(shelf.capacity)
+
+    def _push(self, shelf: _Shelf, e: _Entry, h: int, prio: float) -> None:
+        e.prio, e.seq = prio, next(self._seq)
+        heapq.heappush(shelf.heap, (prio, e.seq, h))
+
+    def _remove(self, replica: int, h: int) -> None:
+        holders = self._holders[h]
+        del holders[replica]
+        if not holders:
+            del self._holders[h]
+        self._shelves[replica].count -= 1
+
+    def _trim(self, replica: int) -> None:
+        shelf = self._shelves[replica]
+        while shelf.count > shelf.capacity:
+            prio, seq, h = heapq.heappop(shelf.heap)
+            e = self._holders.get(h, {}).get(replica)
+            if e is None or e.seq != seq:
+                continue  # stale heap record (entry dropped and maybe re-added)
+            if e.prio > prio:  # touched since it was filed: file it again at its current score
+                heapq.heappush(shelf.heap, (e.prio, seq, h))
+                continue
+            self._remove(replica, h)
+            self.stats.evictions += 1
+            if self.eviction == "cost":
+                shelf.L = prio
+        if len(shelf.heap) > 2 * shelf.count + 1024:  # drop records of removed entries
+            live = []
+            for _, seq, h in shelf.heap:
+                e = self._holders.get(h, {}).get(replica)
+                if e is not None and e.seq == seq:
+                    live.append((e.prio, seq, h))
+            heapq.heapify(live)
+            shelf.heap = live
+
+    def pin_now(self, key: str, replica: int, ttl_s: float) -> int:
+        now = self.clock()
+        cur = self._pins.get(key)
+        if cur is not None and cur[1] > now:
+            return cur[0]
+        self._pins[key] = (replica, now + ttl_s)
+        return replica
+
+    def pinned_now(self, key: str) -> int | None:
+        cur = self._pins.get(key)
+        return cur[0] if cur is not None and cur[1] > self.clock() else None
+
+    # -- async protocol -----------------------------------------------------------------
+
+    async def lookup(self, hashes: Sequence[int]) -> Match:
+        return self.lookup_now(hashes)
+
+    async def record(self, replica: int, hashes: Sequence[int]) -> None:
+        self.record_now(replica, hashes)
+
+    async def confirm(self, replica: int, hashes: Sequence[int]) -> None:
+        self.confirm_now(replica, hashes)
+
+    async def drop(self, replica: int, hashes: Sequence[int]) -> None:
+        self.drop_now(replica, hashes)
+
+    async def forget_replica(self, replica: int) -> None:
+        self.forget_replica_now(replica)
+
+    async def pin(self, key: str, replica: int, ttl_s: float) -> int:
+        return self.pin_now(key, replica, ttl_s)
+
+    async def pinned(self, key: str) -> int | None:
+        return self.pinned_now(key)
+
+    async def unpin(self, key: str) -> None:
+        self._pins.pop(key, None)
+
+    async def flush(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
