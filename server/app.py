@@ -66,6 +66,7 @@ class BridgeServer:
         if self.metrics_endpoint is not None:
             port = self.metrics_endpoint.start()
             log.info("Prometheus metrics on %s:%d/metrics", self.metrics_endpoint.host, port)
+        await self.bridge.start()
         await self.server.start()
         await self.check_health()
         self._health_poll = asyncio.create_task(self._supervise_health(), name="engine-health-supervisor")
@@ -147,7 +148,15 @@ async def create_server(
     engines = list(engines) if engines is not None else await make_engines(settings.engine)
     metrics = BridgeMetrics()
     bridge = Bridge(
-        [tracing.wrap(e) for e in engines], settings.admission, settings.sampling, metrics, settings.envhub, journal
+        [tracing.wrap(e) for e in engines],
+        settings.admission,
+        settings.sampling,
+        metrics,
+        settings.envhub,
+        journal,
+        cache=settings.cache,
+        routing=settings.routing,
+        redis_url=settings.redis.url,
     )
     metrics.attach(bridge)
     limit = settings.server.max_message_bytes

@@ -24,7 +24,9 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from cache import CacheConfig, Fingerprinter, make_index
 from engines.base import Engine
 from engines.types import (
     FinishReason,
@@ -39,7 +41,7 @@ from engines.types import (
 )
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
-from placement.router import StickyLeastLoaded
+from placement.policies import Decision, RouteRequest, RoutingConfig, make_policy
 from server.config import AdmissionConfig, SamplingDefaults
 from server.envsession import EnvOutcome, EnvSession, check_env_name, close_all, open_env_sessions
 from server.episodes import NAN, Episode, EpisodeStore, Turn
@@ -160,6 +162,9 @@ class Bridge:
         metrics: BridgeMetrics | None = None,
         envhub: EnvHubConfig | None = None,
         journal: EpisodeJournal | None = None,
+        cache: CacheConfig | None = None,
+        routing: RoutingConfig | None = None,
+        redis_url: str = "",
     ) -> None:
         if not engines:
             raise ValueError("a bridge needs at least one engine replica")
@@ -174,7 +179,24 @@ class Bridge:
             max_tokens=min(defaults.max_tokens, admission.max_tokens_per_turn),
         )
         self.store = EpisodeStore(admission.max_episodes)
-        self.router = StickyLeastLoaded(len(self.engines))
+        # Routing: each turn goes where its prefix is cached (placement.policies over the cache index),
+        # sticky per episode, a GRPO group on one replica; failed replicas are out of rotation.
+        cache = cache or CacheConfig()
+        routing = routing or RoutingConfig()
+        self.fingerprinter = Fingerprinter(cache.block_size, cache.hash_algo)
+        self.index = make_index(cache, redis_url) if cache.enabled else None
+        if self.index is not None:
+            for r in range(len(self.engines)):
+                self.index.set_capacity(r, cache.capacity_for(0))
+        policy = routing if self.index is not None else routing.model_copy(update={"policy": "sticky"})
+        self.policy = make_policy(policy, len(self.engines), self.index, self.fingerprinter)
+        self._board: Any = None
+        if self.index is not None and type(self.index).__name__ == "RedisIndex":
+            from cache.loadboard import RedisLoadBoard
+
+            self._board = RedisLoadBoard(self.index, self.policy)  # type: ignore[arg-type]
+        self._routes: dict[str, tuple[Decision, str]] = {}  # episode id -> its current turn's route and salt
+        self._group_open: dict[str, int] = {}  # group key -> open members (to release the group's pin)
         self._group_ids = itertools.count()
         self.metrics = metrics if metrics is not None else BridgeMetrics()
         self.envhub = envhub or EnvHubConfig()
@@ -191,32 +213,62 @@ class Bridge:
         """Group ids are the client's, so they are scoped by tenant wherever they key shared state."""
         return f"{tenant}/{group_id}"
 
+    async def start(self) -> None:
+        """Start background work (the shared load board of a Redis index)."""
+        if self._board is not None:
+            self._board.start()
+
+    def _salt(self, tenant: str, model: str) -> str:
+        """Salt of prefix-cache keys: per tenant and per policy version (stale KV is never matched)."""
+        return f"{tenant}/{model}@{self.policy_version}"
+
     def mark_replica(self, replica: int, healthy: bool, reason: str = "") -> None:
         """Take a replica out of rotation (a call failed, a health check did) or bring it back."""
-        if self.router.mark(replica, healthy):
+        if self.policy.mark(replica, healthy):
             name = self.engines[replica].info.replica
             if healthy:
                 log.info("engine replica %s is healthy again: back in rotation", name)
             else:
                 log.warning("engine replica %s taken out of rotation: %s", name, reason or "unhealthy")
 
-    async def _relocate_if_unhealthy(self, episode: Episode) -> None:
-        """Move an episode off a failed replica; its next turn sends the exact token history to the new one."""
+    async def _route_turn(self, episode: Episode, observation: Sequence[int], est_new: int) -> Decision:
+        """Choose the replica for the episode's next turn; move the episode there if it changed.
+
+        A move (its replica failed, or was too loaded to keep it) sends the exact token history
+        to the new replica, which recomputes what it does not have cached.
+        """
+        salt = self._salt(episode.tenant, episode.model)
+        group = self._group_key(episode.tenant, episode.group_id) if episode.shares_prompt else ""
+        history = [*episode.token_ids, *observation]
+        decision = await self.policy.choose(RouteRequest(episode.id, group, history, salt, len(history) + est_new))
+        self._routes[episode.id] = (decision, salt)
         old = episode.replica
-        new = self.router.relocate(old, self._group_key(episode.tenant, episode.group_id))
-        if new == old:
-            return
-        episode.replica = new
-        log.warning(
-            "episode %s moved from failed replica %s to %s (%d tokens resubmitted)",
-            episode.id,
-            self.engines[old].info.replica,
-            self.engines[new].info.replica,
-            len(episode.token_ids),
-        )
-        with contextlib.suppress(PrimeRLError, OSError, TimeoutError):  # the old replica is down: best effort
-            async with asyncio.timeout(2.0):
-                await self.engines[old].release(episode.id)
+        if decision.replica != old:
+            episode.replica = decision.replica
+            log.warning(
+                "episode %s moved from replica %s to %s (%s; %d tokens resubmitted)",
+                episode.id,
+                self.engines[old].info.replica,
+                self.engines[decision.replica].info.replica,
+                decision.reason,
+                len(history),
+            )
+            with contextlib.suppress(PrimeRLError, OSError, TimeoutError):  # the old replica may be down
+                async with asyncio.timeout(2.0):
+                    await self.engines[old].release(episode.id)
+        return decision
+
+    async def _forget(self, episode: Episode) -> None:
+        """Drop an ended episode's routing state (and its group's, with its last member)."""
+        self._routes.pop(episode.id, None)
+        await self.policy.release(episode_id=episode.id)
+        key = self._group_key(episode.tenant, episode.group_id)
+        left = self._group_open.get(key, 1) - 1
+        if left > 0:
+            self._group_open[key] = left
+        else:
+            self._group_open.pop(key, None)
+            await self.policy.release(group_id=key)
 
     # -- validation ---------------------------------------------------------------------
 
@@ -280,7 +332,7 @@ class Bridge:
             raise InvalidArgument("the prompt is empty: set prompt_token_ids or prompt_messages")
         self._check_length(len(prompt), "the prompt")
         self.store.admit(req.group_size)
-        result = self._add_episodes(req, model, params, prompt)
+        result = await self._add_episodes(req, model, params, prompt)
         if self.journal is not None:
             try:
                 for episode_id in result.episode_ids:
@@ -290,7 +342,7 @@ class Bridge:
             except PersistenceUnavailable:  # required and not written: the start did not happen
                 for episode_id in result.episode_ids:
                     if (episode := self.store.discard(episode_id)) is not None:
-                        self.router.detach(episode.replica, self._group_key(episode.tenant, episode.group_id))
+                        await self._forget(episode)
                 raise
         return result
 
@@ -322,9 +374,11 @@ class Bridge:
         try:
             remote = await self.journal.revision(episode_id)
             if remote is None:
-                if local is not None and local.persisted and not local.busy:  # ended through another bridge
-                    self.store.discard(episode_id)
-                    self.router.detach(local.replica, self._group_key(local.tenant, local.group_id))
+                if local is not None and local.persisted and not local.busy and await self.journal.ended(episode_id):
+                    self.store.discard(episode_id)  # ended through another bridge
+                    await self._forget(local)
+                elif local is not None:  # Redis lost the record (restarted empty): ours is rewritten at the turn end
+                    local.persisted = False
                 return
             if local is not None and local.rev >= remote:
                 return
@@ -336,13 +390,12 @@ class Bridge:
             return
         episode, rev = loaded
         episode.rev, episode.persisted = rev, True
-        key = self._group_key(episode.tenant, episode.group_id)
-        if local is not None:
-            self.router.detach(local.replica, key)
-        elif episode.replica >= len(self.engines) or not self.router.healthy[episode.replica]:
-            episode.replica = self.router.place_group(key)
+        if episode.replica >= len(self.engines):  # written by a bridge with more replicas: routing moves it
+            episode.replica = 0
+        if local is None:
+            key = self._group_key(episode.tenant, episode.group_id)
+            self._group_open[key] = self._group_open.get(key, 0) + 1
         self.store.add(episode)
-        self.router.attach(episode.replica, key)
 
     async def _lease(self, episode_id: str) -> bool:
         """Hold the episode against Steps and ends on other bridges; False when persistence failed open."""
@@ -385,20 +438,28 @@ class Bridge:
         except BaseException:
             await close_all(sessions)
             raise
-        result = self._add_episodes(req, model, params, prompt)
+        result = await self._add_episodes(req, model, params, prompt)
         self._envs.update(zip(result.episode_ids, sessions, strict=True))
         return replace(result, env_task_id=sessions[0].task_id)
 
-    def _add_episodes(self, req: StartRequest, model: str, params: SamplingParams, prompt: list[int]) -> StartResult:
+    async def _add_episodes(
+        self, req: StartRequest, model: str, params: SamplingParams, prompt: list[int]
+    ) -> StartResult:
         group_id = req.group_id or f"grp-{uuid.uuid4().hex[:16]}"
         key = self._group_key(req.tenant, group_id)
-        replica = self.router.place_group(key)
+        shared = req.group_size > 1 or bool(req.group_id)
+        first_id = self.store.new_id()
+        est = len(prompt) + params.max_tokens
+        route = RouteRequest(
+            first_id, key if shared else "", prompt, self._salt(req.tenant, model), est, first_turn=True
+        )
+        replica = (await self.policy.choose(route)).replica
         version = self.engines[replica].policy_version
         ids = []
         for i in range(req.group_size):
             member = params if params.seed is None else replace(params, seed=(params.seed + i) % 2**63)
             episode = Episode(
-                id=self.store.new_id(),
+                id=first_id if i == 0 else self.store.new_id(),
                 tenant=req.tenant,
                 model=model,
                 group_id=group_id,
@@ -406,13 +467,13 @@ class Bridge:
                 replica=replica,
                 sampling=member,
                 metadata=dict(req.metadata),
-                shares_prompt=req.group_size > 1 or bool(req.group_id),
+                shares_prompt=shared,
             )
             episode.append_unsampled(prompt, Origin.PROMPT, version)
             episode.prompt_length = len(prompt)
             self.store.add(episode)
-            self.router.attach(replica, key)
             ids.append(episode.id)
+        self._group_open[key] = self._group_open.get(key, 0) + req.group_size
         return StartResult(ids, group_id, version, self.info.engine, self.engines[replica].info.replica, len(prompt))
 
     async def step(self, req: StepRequest) -> AsyncIterator[StepUpdate]:
@@ -469,7 +530,7 @@ class Bridge:
             deadline = None if req.deadline_s is None else asyncio.get_running_loop().time() + req.deadline_s
             episode.busy = True
             try:
-                await self._relocate_if_unhealthy(episode)
+                await self._route_turn(episode, (), params.max_tokens)
                 yield StepUpdate((), (), ())  # validated: the call is accepted
                 async for update in self._env_loop(episode, session, params, req, deadline):
                     yield update
@@ -488,7 +549,7 @@ class Bridge:
         # Validated: from here on the episode changes, and the turn is always closed.
         episode.busy = True
         try:
-            await self._relocate_if_unhealthy(episode)
+            await self._route_turn(episode, observation, params.max_tokens)
             turn, turn_params = self._open_turn(episode, observation, params, req)
             yield StepUpdate((), (), ())  # validated and recorded: the call is accepted
             async for update in self._generate(episode, turn, turn_params, deadline):
@@ -583,8 +644,11 @@ class Bridge:
             # Salted per tenant too: cached-token counts must not reveal another tenant's prompts.
             cache_salt=f"{episode.tenant}/{episode.model}@{turn.policy_version}",
         )
-        load = len(request.token_ids) + params.max_tokens
-        self.router.begin(episode.replica, load)
+        route = self._routes.get(episode.id)
+        matched = route[0].matched_tokens if route is not None and route[0].replica == episode.replica else 0
+        load = len(request.token_ids) - matched + params.max_tokens  # in-flight work: uncached prefill + decode
+        replica = episode.replica
+        self.policy.on_begin(replica, load)
         last: TokenChunk | None = None
         stream = engine.generate(request)
         try:
@@ -617,11 +681,21 @@ class Bridge:
                 "tokens are kept in the episode"
             ) from None
         finally:
-            self.router.end(episode.replica, load)
+            self.policy.on_end(replica, load)
             if turn.finish_reason is None:  # cancelled, timed out or failed: keep what we have
                 self._close(turn, FinishReason.ABORT, last.usage if last else None)
                 await asyncio.shield(engine.abort(request.request_id))
             await stream.aclose()
+            if route is not None and route[0].replica == replica:
+                await asyncio.shield(self._report(episode, turn, route))
+
+    async def _report(self, episode: Episode, turn: Turn, route: tuple[Decision, str]) -> None:
+        """Tell the routing index what the engine now holds (or, if the turn failed early, does not)."""
+        decision, salt = route
+        ok = turn.finish_reason != FinishReason.ABORT or turn.end > turn.generation_start
+        held = self.fingerprinter.hashes(episode.token_ids, salt) if ok else None
+        await self.policy.on_engine_report(decision, turn.usage.cached_tokens, ok=ok, held_hashes=held)
+        self.metrics.observe_index_lookup(self.info.model, turn.generation_start, decision.matched_tokens)
 
     def _close(self, turn: Turn, finish: FinishReason, usage: Usage | None) -> None:
         turn.finish_reason = finish
@@ -662,7 +736,7 @@ class Bridge:
             except PersistenceUnavailable as exc:
                 self._persistence_failed("delete", exc)
         self.store.pop(episode.id, req.tenant)
-        self.router.detach(episode.replica, self._group_key(episode.tenant, episode.group_id))
+        await self._forget(episode)
         rewards = req.rewards
         if (session := self._envs.pop(episode.id, None)) is not None:
             await session.close()
@@ -677,6 +751,10 @@ class Bridge:
         """Close the environments of episodes still open (at shutdown, after in-flight Steps drained)."""
         sessions, self._envs = list(self._envs.values()), {}
         await close_all(sessions)
+        if self._board is not None:
+            await self._board.stop()
+        if self.index is not None:
+            await self.index.close()
 
     async def update_weights(self, checkpoint_path: str, policy_version: int, keep_kv: bool, model: str = "") -> int:
         self._check_model(model)

@@ -14,8 +14,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from cache.config import CacheConfig
 from engines.config import EngineConfig
 from envhub.config import EnvHubConfig
+from placement.policies import RoutingConfig
 from server.auth import AuthConfig, TlsConfig
 from server.persistence import PersistenceConfig
 from speculation.config import SpeculationConfig
@@ -101,6 +103,8 @@ class Settings(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
     envhub: EnvHubConfig = Field(default_factory=EnvHubConfig, description="Env hub: tool connectors and loop.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="Prefix-cache index for cache-aware routing.")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="How turns are placed on replicas.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer-token authentication and tenants.")
     persistence: PersistenceConfig = Field(
         default_factory=PersistenceConfig, description="Durable episodes in Redis (resume after restart, share)."

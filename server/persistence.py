@@ -185,7 +185,16 @@ class EpisodeJournal:
         return None if rev is None else int(rev)
 
     async def delete(self, episode_id: str) -> None:
-        await self._call("delete the episode", self._redis.delete(self._key("ep", episode_id)))
+        """Delete the record and leave a tombstone, so other bridges drop their copies (and a Redis that
+        merely lost its data is not mistaken for an ended episode)."""
+        async with self._redis.pipeline(transaction=True) as tx:
+            tx.delete(self._key("ep", episode_id))
+            tx.set(self._key("ended", episode_id), 1, ex=self.config.ttl_s)
+            await self._call("delete the episode", tx.execute())
+
+    async def ended(self, episode_id: str) -> bool:
+        """Whether the episode was ended (through any bridge) within the record TTL."""
+        return bool(await self._call("read the tombstone", self._redis.exists(self._key("ended", episode_id))))
 
     async def open_ids(self) -> list[str]:
         keys: list[str] = []
