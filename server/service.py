@@ -7,6 +7,7 @@ anything else is a bug, logged with its traceback and reported as INTERNAL witho
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -37,9 +38,19 @@ def _status_code(exc: BaseException) -> grpc.StatusCode:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, PrimeRLError):
-        await context.abort(_status_code(exc), exc.message)
-    log.exception("internal error in %s", type(exc).__name__)
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error in the bridge; see the server log")
+        code, message = _status_code(exc), exc.message
+    else:
+        log.exception("internal error in %s", type(exc).__name__)
+        code, message = grpc.StatusCode.INTERNAL, "internal error in the bridge; see the server log"
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as failed:  # noqa: BLE001 - the core could not send the status: the call already ended
+        # (its deadline passed or the client left while the error was being raised); the client has its
+        # status, so end the handler as a cancelled call instead of logging the core's failure.
+        log.debug("status %s for a call that had already ended: %r", code.name, failed)
+        raise asyncio.CancelledError from None
 
 
 def _overrides(p: pb.SamplingParams) -> SamplingOverrides:
