@@ -14,14 +14,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 
 class BridgeError(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.retry_after_s = retry_after_s  # the bridge's hint (RESOURCE_EXHAUSTED), when it sent one
 
 
 class InvalidArgumentError(BridgeError): ...
@@ -70,4 +73,9 @@ _BY_CODE: dict[grpc.StatusCode, type[BridgeError]] = {
 
 def from_rpc_error(err: grpc.aio.AioRpcError) -> BridgeError:
     code = err.code()
-    return _BY_CODE.get(code, BridgeError)(code, err.details() or "")
+    retry = None
+    trailers: Any = err.trailing_metadata() or ()
+    for key, value in trailers:
+        if key == "retry-after-ms" and isinstance(value, str) and value.isdigit():
+            retry = int(value) / 1000
+    return _BY_CODE.get(code, BridgeError)(code, err.details() or "", retry)

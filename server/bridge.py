@@ -197,6 +197,7 @@ class Bridge:
             self._board = RedisLoadBoard(self.index, self.policy)  # type: ignore[arg-type]
         self._routes: dict[str, tuple[Decision, str]] = {}  # episode id -> its current turn's route and salt
         self._group_open: dict[str, int] = {}  # group key -> open members (to release the group's pin)
+        self._inflight: dict[str, int] = {}  # tenant -> Steps running
         self._group_ids = itertools.count()
         self.metrics = metrics if metrics is not None else BridgeMetrics()
         self.envhub = envhub or EnvHubConfig()
@@ -331,7 +332,7 @@ class Bridge:
         else:
             raise InvalidArgument("the prompt is empty: set prompt_token_ids or prompt_messages")
         self._check_length(len(prompt), "the prompt")
-        self.store.admit(req.group_size)
+        self.store.admit(req.group_size, req.tenant, self.admission.max_episodes_per_tenant)
         result = await self._add_episodes(req, model, params, prompt)
         if self.journal is not None:
             try:
@@ -428,13 +429,15 @@ class Bridge:
                 f"engine {self.info.engine!r} has no tokenizer; episodes with an environment need one"
             )
         check_env_name(req.env)
-        self.store.admit(req.group_size)
+        self.store.admit(req.group_size, req.tenant, self.admission.max_episodes_per_tenant)
         sessions = await open_env_sessions(req.env, self.envhub, req.group_size, req.env_task_id or None, req.env_seed)
         try:
             first = sessions[0].env
             prompt = self._render(first.prompt_messages, None, first.tool_schemas)
             self._check_length(len(prompt), "the environment's prompt")
-            self.store.admit(req.group_size)  # again: other episodes may have started while the envs opened
+            self.store.admit(
+                req.group_size, req.tenant, self.admission.max_episodes_per_tenant
+            )  # again: other episodes may have started while the envs opened
         except BaseException:
             await close_all(sessions)
             raise
@@ -512,7 +515,33 @@ class Bridge:
             if leased:
                 await self._unlease(req.episode_id)
 
+    def _admit_step(self, tenant: str) -> None:
+        total = sum(self._inflight.values())
+        if total >= self.admission.max_inflight_steps:
+            raise ResourceExhausted(
+                f"{total} Steps are running, the limit of admission.max_inflight_steps; retry shortly",
+                retry_after_s=0.1,
+            )
+        limit = self.admission.max_inflight_steps_per_tenant
+        if limit and self._inflight.get(tenant, 0) >= limit:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {limit} Steps running, its limit; retry shortly", retry_after_s=0.1
+            )
+
     async def _step(self, req: StepRequest) -> AsyncGenerator[StepUpdate, None]:
+        self._admit_step(req.tenant)
+        self._inflight[req.tenant] = self._inflight.get(req.tenant, 0) + 1
+        try:
+            async for update in self._run_step(req):
+                yield update
+        finally:
+            left = self._inflight[req.tenant] - 1
+            if left:
+                self._inflight[req.tenant] = left
+            else:
+                del self._inflight[req.tenant]
+
+    async def _run_step(self, req: StepRequest) -> AsyncGenerator[StepUpdate, None]:
         episode = self.store.get(req.episode_id, req.tenant)
         if episode.busy:
             raise EpisodeBusy(f"episode {episode.id!r} already has a Step in progress; wait for it to finish")

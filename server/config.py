@@ -51,6 +51,15 @@ class AdmissionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_episodes: int = Field(10_000, ge=1, description="Open episodes per bridge.")
+    max_episodes_per_tenant: int = Field(
+        0, ge=0, description="Open episodes per tenant (auth on); 0 = only the bridge-wide limit applies."
+    )
+    max_inflight_steps: int = Field(
+        4096, ge=1, description="Steps running at once on this bridge; beyond it RESOURCE_EXHAUSTED with retry-after."
+    )
+    max_inflight_steps_per_tenant: int = Field(
+        0, ge=0, description="Steps running at once per tenant; 0 = only the bridge-wide limit applies."
+    )
     max_tokens_per_episode: int = Field(
         32_768, ge=2, description="Tokens per episode (prompt + observations + samples); generation stops there."
     )

@@ -106,13 +106,22 @@ class EpisodeStore:
     def new_id() -> str:
         return "ep-" + secrets.token_hex(16)
 
-    def admit(self, count: int) -> None:
-        """Raise ResourceExhausted unless ``count`` more episodes fit."""
+    def admit(self, count: int, tenant: str = "", per_tenant: int = 0) -> None:
+        """Raise ResourceExhausted unless ``count`` more episodes fit (bridge-wide, and for ``tenant``)."""
         if len(self._episodes) + count > self.max_episodes:
             raise ResourceExhausted(
                 f"{count} new episode(s) would exceed the limit of {self.max_episodes} open episodes "
-                f"({len(self._episodes)} open); end finished episodes or raise admission.max_episodes"
+                f"({len(self._episodes)} open); end finished episodes or raise admission.max_episodes",
+                retry_after_s=1.0,
             )
+        if per_tenant:
+            mine = sum(1 for e in self._episodes.values() if e.tenant == tenant)
+            if mine + count > per_tenant:
+                raise ResourceExhausted(
+                    f"{count} new episode(s) would exceed the limit of {per_tenant} open episodes of tenant "
+                    f"{tenant!r} ({mine} open); end finished episodes first",
+                    retry_after_s=1.0,
+                )
 
     def add(self, episode: Episode) -> None:
         self._episodes[episode.id] = episode

@@ -73,6 +73,10 @@ class ToolError(FailedPrecondition):
 class ResourceExhausted(PrimeRLError):
     code = "RESOURCE_EXHAUSTED"
 
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # sent as `retry-after-ms` trailing metadata when set
+
 
 class PermissionDenied(PrimeRLError):
     code = "PERMISSION_DENIED"

@@ -42,8 +42,10 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     else:
         log.exception("internal error in %s", type(exc).__name__)
         code, message = grpc.StatusCode.INTERNAL, "internal error in the bridge; see the server log"
+    retry = getattr(exc, "retry_after_s", None)
+    trailers = (("retry-after-ms", str(round(retry * 1000))),) if retry is not None else ()
     try:
-        await context.abort(code, message)
+        await context.abort(code, message, trailers)
     except grpc.aio.AbortError:
         raise
     except Exception as failed:  # noqa: BLE001 - the core could not send the status: the call already ended

@@ -185,3 +185,35 @@ def test_hash_token_cli_prints_the_entry_the_bridge_accepts() -> None:
     assert new.stdout.strip() == f"carol:{hash_token(token)}" and len(token) >= 32
     bad = subprocess.run(cmd, input="", capture_output=True, text=True)
     assert bad.returncode == 2 and "no token on stdin" in bad.stderr
+
+
+async def test_per_tenant_admission_and_retry_after(start_bridge: Any) -> None:
+    import asyncio
+
+    from rl_client.errors import ResourceExhaustedError
+
+    server, _ = await start_bridge(
+        auth=AUTH,
+        admission={"max_episodes_per_tenant": 2, "max_inflight_steps_per_tenant": 1},
+        engine={"toy": {"token_delay_s": 0.01}},
+    )
+    target = f"127.0.0.1:{server.port}"
+    alice = AsyncBridgeClient(target, token=ALICE)
+    bob = AsyncBridgeClient(target, token=BOB)
+    try:
+        a1 = (await alice.start_episode([1, 2, 3], sampling={"max_tokens": 30, "ignore_eos": True})).episode_id
+        a2 = (await alice.start_episode([1, 2, 3], sampling={"max_tokens": 30, "ignore_eos": True})).episode_id
+        with pytest.raises(ResourceExhaustedError, match="limit of 2 open episodes of tenant 'alice'") as err:
+            await alice.start_episode([1, 2, 3])
+        assert err.value.retry_after_s == 1.0  # the bridge's hint, from trailing metadata
+        await bob.discard_episode((await bob.start_episode([1, 2, 3])).episode_id)  # bob has his own quota
+        running = asyncio.create_task(alice.step(a1))
+        await asyncio.sleep(0.1)
+        with pytest.raises(ResourceExhaustedError, match="Steps running") as err:
+            await alice.step(a2)
+        assert err.value.retry_after_s == 0.1
+        assert len((await running).token_ids) == 30
+        assert len((await alice.step(a2)).token_ids) == 30  # the slot is free again
+    finally:
+        await alice.close()
+        await bob.close()
