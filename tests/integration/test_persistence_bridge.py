@@ -79,11 +79,12 @@ async def test_redis_down_fails_open_or_closed_as_configured(start_bridge: Any, 
     assert not open_server.bridge.store.peek(ep)
 
 
-def _serve(redis: PrivateRedis, port: int) -> subprocess.Popen[bytes]:
+def _serve(redis: PrivateRedis, port: int, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     env = dict(
         os.environ,
         PRIMERL_PERSISTENCE__ENABLED="true",
         PRIMERL_REDIS__URL=redis.url,
+        **(extra_env or {}),
     )
     cmd = [sys.executable, "-m", "server", "serve", "--engine", "toy", "--port", str(port), "--metrics-port", "0"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -107,6 +108,36 @@ async def test_killed_bridge_episodes_resume_in_a_new_process(redis_server: Priv
             assert traj.token_ids.tolist() == PROMPT + turn1.token_ids.tolist() + [9] + turn2.token_ids.tolist()
             assert [t.finish_reason for t in traj.turns] == ["length", "length"]
             assert traj.loss_mask.sum() == 12
+        finally:
+            second.terminate()
+            second.wait(30)
+    finally:
+        await client.close()
+        if first.poll() is None:
+            first.kill()
+
+
+async def test_sigterm_under_load_drains_steps_and_loses_no_trajectory(redis_server: PrivateRedis) -> None:
+    port = free_port()
+    env_slow = {"PRIMERL_ENGINE__TOY__TOKEN_DELAY_S": "0.01"}
+    first = _serve(redis_server, port, env_slow)
+    client = AsyncBridgeClient(f"127.0.0.1:{port}", timeout=60)
+    try:
+        await client.wait_until_ready(60)
+        sampling = {"max_tokens": 40, "ignore_eos": True}
+        eps = [(await client.start_episode(PROMPT, sampling=sampling)).episode_id for _ in range(20)]
+        steps = [asyncio.create_task(client.step(ep)) for ep in eps]
+        await asyncio.sleep(0.15)  # all 20 Steps are running
+        first.send_signal(signal.SIGTERM)
+        turns = await asyncio.gather(*steps)  # every in-flight Step finishes within the grace period
+        assert all(len(t.token_ids) == 40 and t.finish_reason == "length" for t in turns)
+        assert first.wait(30) == 0
+        second = _serve(redis_server, port)
+        try:
+            await client.wait_until_ready(60)
+            for ep, turn in zip(eps, turns, strict=True):  # ended through the new process: nothing lost
+                traj = await client.end_episode(ep)
+                assert traj.token_ids.tolist() == PROMPT + turn.token_ids.tolist()
         finally:
             second.terminate()
             second.wait(30)
