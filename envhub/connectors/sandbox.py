@@ -15,7 +15,10 @@ Layers (see reference spec C2):
 5. stdout+stderr capped; exceeding the cap kills the process.
 
 Without a working bubblewrap the sandbox refuses to run (``ToolError(kind="unavailable")``)
-unless the config says ``isolation="none"`` and ``allow_unisolated=true``.
+unless the config says ``isolation="none"`` and ``allow_unisolated=true``. Only a successful
+bubblewrap probe is remembered; a failed one (bwrap's error, a timeout, a missing ``setpriv``)
+is reported as ``ToolError(kind="unavailable")`` and probed again on the next call, so a
+transient failure on a loaded host does not disable the sandbox for good.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -89,12 +93,24 @@ class RunResult:
         return "\n".join(parts)
 
 
+def default_python() -> str:
+    """The interpreter for the sandbox when none is configured: it must live under ``/usr``
+    (the only tree bound into the sandbox), so the hub's own interpreter when it does (the
+    python:*-slim image's ``/usr/local/bin/python3``), else the distribution's."""
+    own = os.path.realpath(sys.executable) if sys.executable else ""
+    for candidate in (own, "/usr/bin/python3", "/usr/local/bin/python3"):
+        if candidate.startswith("/usr/") and os.access(candidate, os.X_OK):
+            return candidate
+    return "/usr/bin/python3"
+
+
 class CodeSandbox:
     """Runs Python code; one fresh process per ``run`` call."""
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
-        self._probed: str | None = None  # "" = works, else why not
+        self.python = self.config.python or default_python()
+        self._works = False  # bubblewrap built a sandbox here once (failures are not remembered)
 
     def _limits(self) -> list[str]:
         c = self.config
@@ -131,29 +147,44 @@ class CodeSandbox:
         return [*argv, "--", *inner]
 
     async def _probe(self) -> str:
-        """Check once that bubblewrap can build the sandbox here; '' when it can."""
-        if self._probed is None:
-            if not os.access(self.config.bwrap_path, os.X_OK):
-                self._probed = f"{self.config.bwrap_path} is not installed"
-            else:
-                fd = self._seccomp_fd()
-                try:
-                    proc = await asyncio.create_subprocess_exec(
-                        *self._bwrap_argv(["/usr/bin/true"], fd),
-                        stdin=asyncio.subprocess.DEVNULL,
-                        stdout=asyncio.subprocess.DEVNULL,
-                        stderr=asyncio.subprocess.PIPE,
-                        pass_fds=() if fd is None else (fd,),
-                    )
-                finally:
-                    if fd is not None:
-                        os.close(fd)
-                _, err = await asyncio.wait_for(proc.communicate(), timeout=30)
-                self._probed = "" if proc.returncode == 0 else err.decode(errors="replace").strip()[:300]
-        return self._probed
+        """Check that bubblewrap can build the sandbox here; '' when it can, else why not.
+
+        Success is remembered for the life of the sandbox object; a failure is not (bwrap can
+        fail transiently, e.g. EAGAIN creating namespaces under load), so it costs one probe
+        per call while the host cannot sandbox, and the sandbox recovers when it can again.
+        """
+        if self._works:
+            return ""
+        if not os.access(self.config.bwrap_path, os.X_OK):
+            return f"{self.config.bwrap_path} is not installed"
+        fd = self._seccomp_fd()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._bwrap_argv(["/usr/bin/true"], fd),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=() if fd is None else (fd,),
+                start_new_session=True,
+            )
+        except OSError as e:  # FileNotFoundError: no setpriv (root hubs) or bwrap vanished
+            return f"cannot start the isolation probe: {e}"
+        finally:
+            if fd is not None:
+                os.close(fd)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), timeout=self.config.probe_timeout_s)
+        except TimeoutError:
+            _kill_group(proc.pid)
+            await _reap(proc)
+            return f"the isolation probe did not finish in {self.config.probe_timeout_s:g} s"
+        if proc.returncode != 0:
+            return err.decode(errors="replace").strip()[:300] or f"bwrap exited with status {proc.returncode}"
+        self._works = True
+        return ""
 
     async def _command(self, workdir: str, seccomp_fd: int | None) -> tuple[list[str], str | None]:
-        inner = [self.config.python, "-I", "-c", _BOOT, *self._limits()]
+        inner = [self.python, "-I", "-c", _BOOT, *self._limits()]
         if self.config.isolation == "none":
             if not self.config.allow_unisolated:
                 raise ToolError(
@@ -179,16 +210,19 @@ class CodeSandbox:
                 argv, cwd = await self._command(tmp, fd)
                 env = {"PATH": "/usr/bin", "HOME": cwd or "/", "LANG": "C.UTF-8"}  # nothing of the hub's env
                 t0 = time.monotonic()
-                proc = await asyncio.create_subprocess_exec(
-                    *argv,
-                    stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,
-                    pass_fds=() if fd is None else (fd,),
-                )
+                try:
+                    proc = await asyncio.create_subprocess_exec(
+                        *argv,
+                        stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=asyncio.subprocess.PIPE,
+                        cwd=cwd,
+                        env=env,
+                        start_new_session=True,
+                        pass_fds=() if fd is None else (fd,),
+                    )
+                except OSError as e:  # the interpreter (isolation none) or setpriv/bwrap is missing
+                    raise ToolError(f"the code sandbox cannot start: {e}", kind="unavailable") from e
             finally:
                 if fd is not None:
                     os.close(fd)

@@ -8,24 +8,31 @@ write new files; temp tables are writable):
 4. an authorizer allowing only SELECT/READ/FUNCTION/RECURSIVE and a short list of
    read-only introspection PRAGMAs (``load_extension`` is denied by name);
 5. a progress handler that interrupts a statement past its deadline;
-6. one statement per call, rows and rendered bytes capped.
+6. one statement per call, rows and rendered bytes capped: ``SQLITE_LIMIT_LENGTH`` (a small
+   multiple of ``max_bytes``) refuses huge values (``zeroblob(50000000)``) before they are
+   built, rows are fetched only until they exceed the cap, and each cell is cut before it is
+   rendered.
 
 PostgreSQL guards: extended query protocol (one statement per call), a first-keyword
 allowlist, ``BEGIN READ ONLY`` with ``SET LOCAL statement_timeout`` and a snapshot taken
 before the user statement (so ``SET TRANSACTION READ WRITE`` is too late), rollback after
-every call, a client-side deadline that cancels the query, refusal to run as a superuser
-unless configured (a superuser can read server files even in a read-only transaction).
+every call, a client-side deadline over the whole call (psycopg cancels the statement with
+``cancel_safe``; the connection is then replaced), refusal to run as a superuser unless
+configured (a superuser can read server files even in a read-only transaction). The one
+connection is opened, used and replaced only under the lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import re
 import sqlite3
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +44,38 @@ _FIRST_WORD = re.compile(r"^\s*(?:--[^\n]*\n\s*|/\*.*?\*/\s*)*([A-Za-z]+)", re.D
 _PG_ALLOWED_FIRST = frozenset({"select", "with", "values", "table", "explain", "show"})
 
 
-def render_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], more: bool, max_bytes: int) -> str:
-    """A tab-separated table with a header; truncated to ``max_bytes`` characters."""
-    lines = ["\t".join(columns)]
-    lines += ["\t".join("NULL" if v is None else str(v) for v in row) for row in rows]
-    text = "\n".join(lines)
-    note = ""
-    if more:
-        note = f"\n... (more rows; showing the first {len(rows)})"
-    if len(text) > max_bytes:
-        text = text[:max_bytes]
-        note = f"\n... (truncated at {max_bytes} characters)"
-    return text + note
+def _cell(value: Any, limit: int) -> str:
+    """``value`` as text, at most ``limit`` characters (only a prefix is ever converted)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, str):
+        return value[:limit]
+    if isinstance(value, bytes | bytearray | memoryview):
+        return str(bytes(value[:limit]))[:limit]  # the prefix's repr, never the whole blob's
+    return str(value)[:limit]
+
+
+def render_rows(columns: Sequence[str], rows: Iterable[Sequence[Any]], more: bool, max_bytes: int) -> str:
+    """A tab-separated table with a header; truncated to ``max_bytes`` characters.
+
+    Each cell is cut to the budget left before it is rendered and rendering stops once the
+    budget is spent, so a huge cell or many rows never build more than ~``max_bytes`` of text.
+    """
+    parts: list[str] = []
+    used = 0
+    shown = 0
+    for i, row in enumerate(itertools.chain([columns], rows)):
+        for j, value in enumerate(row):
+            if used > max_bytes:
+                break
+            piece = ("\n" if i and j == 0 else "\t" if j else "") + _cell(value, max_bytes - used + 1)
+            parts.append(piece)
+            used += len(piece)
+        if used > max_bytes:
+            return "".join(parts)[:max_bytes] + f"\n... (truncated at {max_bytes} characters)"
+        shown = i
+    note = f"\n... (more rows; showing the first {shown})" if more else ""
+    return "".join(parts) + note
 
 
 def first_keyword(sql: str) -> str:
@@ -69,6 +96,11 @@ class SqliteReadOnly:
         if hasattr(self._conn, "enable_load_extension"):  # absent when Python is built without it
             self._conn.enable_load_extension(False)
         self._conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        # No string/blob (e.g. ``zeroblob(50000000)``) longer than a few result caps is ever
+        # built, and a result row has boundedly many columns: one row is <= 256 x 4 x max_bytes.
+        self._value_limit = max(4 * self.config.max_bytes, 4096)
+        self._conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, self._value_limit)
+        self._conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, 256)
         self._conn.execute("PRAGMA query_only = 1")
         self._conn.set_authorizer(self._authorize)
         self._lock = threading.Lock()
@@ -94,8 +126,12 @@ class SqliteReadOnly:
             try:
                 cur = self._conn.execute(sql)
                 columns = [d[0] for d in cur.description or ()]
-                rows = cur.fetchmany(self.config.max_rows + 1)
+                rows = self._fetch(cur)
                 cur.close()
+            except sqlite3.DataError as e:  # SQLITE_TOOBIG: a value over SQLITE_LIMIT_LENGTH
+                raise ToolError(
+                    f"query refused: a value is too large (over {self._value_limit} bytes): {e}", kind="refused"
+                ) from e
             except sqlite3.OperationalError as e:
                 if "interrupted" in str(e):
                     raise ToolError(f"query cancelled after {self.config.timeout_s:g} s", kind="timeout") from e
@@ -110,6 +146,19 @@ class SqliteReadOnly:
                 self._conn.set_progress_handler(None, 0)
         more = len(rows) > self.config.max_rows
         return render_rows(columns, rows[: self.config.max_rows], more, self.config.max_bytes)
+
+    def _fetch(self, cur: sqlite3.Cursor) -> list[Any]:
+        """Up to ``max_rows + 1`` rows, stopping early once they exceed what can be shown."""
+        rows: list[Any] = []
+        size = 0
+        while len(rows) <= self.config.max_rows and size <= self.config.max_bytes:
+            row = cur.fetchone()
+            if row is None:
+                break
+            rows.append(row)
+            # a lower bound of the row's rendered length, so stopping here means render_rows truncates
+            size += sum(len(v) if isinstance(v, str | bytes) else len(str(v)) for v in row) + len(row)
+        return rows
 
     async def query(self, sql: str) -> str:
         """Run one read-only statement; ``ToolError`` if it is refused or cancelled."""
@@ -130,7 +179,12 @@ class SqliteReadOnly:
 
 
 class PostgresReadOnly:
-    """Read-only statements against a PostgreSQL server (one connection, calls serialised)."""
+    """Read-only statements against a PostgreSQL server (one connection, calls serialised).
+
+    The lock guards the connection itself: opening it, every statement of a call and dropping
+    it all happen under the lock, so concurrent callers never see a half-open or discarded
+    connection and never open a second one. Every server round trip has a deadline.
+    """
 
     def __init__(self, conninfo: str, config: SqlConfig | None = None) -> None:
         self.conninfo = conninfo
@@ -139,68 +193,96 @@ class PostgresReadOnly:
         self._lock = asyncio.Lock()
 
     async def connect(self) -> None:
-        import psycopg
+        """Open the connection now (``query`` opens it when needed)."""
+        async with self._lock:
+            await self._connection()
 
+    async def _connection(self) -> Any:
+        """The open connection, opened first if needed; call with the lock held."""
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        import psycopg
+        from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+        # Read-only by default from the first statement on: set at startup, no extra round trip.
+        options = str(conninfo_to_dict(self.conninfo).get("options") or "")
+        conninfo = make_conninfo(self.conninfo, options=f"{options} -c default_transaction_read_only=on".strip())
         try:
-            self._conn = await asyncio.wait_for(
-                psycopg.AsyncConnection.connect(self.conninfo, autocommit=True), timeout=self.config.timeout_s + 5
+            conn = await asyncio.wait_for(
+                psycopg.AsyncConnection.connect(conninfo, autocommit=True), timeout=self.config.timeout_s + 5
             )
         except (psycopg.Error, TimeoutError) as e:
             raise ToolError(f"cannot connect to PostgreSQL: {e}", kind="unavailable") from e
-        cur = await self._conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
-        row = await cur.fetchone()
-        if row and row[0] and not self.config.allow_superuser:
-            await self._conn.close()
-            self._conn = None
+        # The server reports is_superuser at startup (and on role changes): no query needed.
+        if conn.info.parameter_status("is_superuser") != "off" and not self.config.allow_superuser:
+            await conn.close()
             raise ToolError(
                 "refusing to query as a PostgreSQL superuser (read-only transactions do not bind them); "
                 "connect as a least-privilege role or set sql.allow_superuser",
                 kind="refused",
             )
-        await self._conn.execute("SET default_transaction_read_only = on")
+        self._conn = conn
+        return conn
+
+    async def _discard(self, conn: Any) -> None:
+        """Drop a connection in an unknown state; the next call opens a new one (lock held)."""
+        if self._conn is conn:
+            self._conn = None
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(conn.close(), timeout=2)
 
     async def query(self, sql: str) -> str:
         import psycopg
 
-        if self._conn is None:
-            await self.connect()
         word = first_keyword(sql)
         if word not in _PG_ALLOWED_FIRST:
             raise ToolError(f"query refused: only read statements are allowed, got {word.upper() or 'nothing'!r}")
         timeout_ms = int(self.config.timeout_s * 1000)
         async with self._lock:
-            conn = self._conn
+            conn = await self._connection()
             try:
-                await conn.execute("BEGIN READ ONLY")
-                await conn.execute(f"SET LOCAL statement_timeout = {timeout_ms}")
-                await conn.execute("SELECT 1")  # takes the snapshot: the access mode is now fixed
-                cur = conn.cursor()
-                # binary=True forces the extended protocol: exactly one statement per call.
-                await asyncio.wait_for(cur.execute(sql, binary=True), timeout=self.config.timeout_s + 1)
-                columns = [d.name for d in cur.description or ()]
-                rows = await cur.fetchmany(self.config.max_rows + 1) if cur.description else []
+                # The whole call is under the client-side deadline (a hung server or network
+                # cannot stall it); statement_timeout normally fires first, on the server.
+                async with asyncio.timeout(self.config.timeout_s + 1):
+                    await conn.execute("BEGIN READ ONLY")
+                    await conn.execute(f"SET LOCAL statement_timeout = {timeout_ms}")
+                    await conn.execute("SELECT 1")  # takes the snapshot: the access mode is now fixed
+                    cur = conn.cursor()
+                    # binary=True forces the extended protocol: exactly one statement per call.
+                    await cur.execute(sql, binary=True)
+                    columns = [d.name for d in cur.description or ()]
+                    rows = await cur.fetchmany(self.config.max_rows + 1) if cur.description else []
             except psycopg.errors.QueryCanceled as e:
+                await self._end(conn)
                 raise ToolError(f"query cancelled after {self.config.timeout_s:g} s", kind="timeout") from e
             except TimeoutError as e:
-                conn.cancel()
+                # psycopg cancels the interrupted statement itself (cancel_safe, non-blocking);
+                # the connection's state is unknown afterwards, so it is replaced.
+                await self._discard(conn)
                 raise ToolError(f"query cancelled after {self.config.timeout_s:g} s", kind="timeout") from e
             except psycopg.Error as e:
+                if conn.closed or conn.broken:
+                    await self._discard(conn)
+                    raise ToolError(f"PostgreSQL connection lost: {str(e).strip()}", kind="unavailable") from e
+                await self._end(conn)
                 raise ToolError(f"query refused: {str(e).strip()}", kind="refused") from e
-            finally:
-                try:
-                    await conn.execute("ROLLBACK")
-                except psycopg.Error:
-                    await self._reconnect()
+            except BaseException:
+                await self._discard(conn)  # cancelled by the caller mid-call
+                raise
+            await self._end(conn)
         more = len(rows) > self.config.max_rows
         return render_rows(columns, rows[: self.config.max_rows], more, self.config.max_bytes)
 
-    async def _reconnect(self) -> None:
+    async def _end(self, conn: Any) -> None:
+        """Roll the call's transaction back; a connection that cannot is replaced (lock held)."""
+        import psycopg
+
         try:
-            await self._conn.close()
-        finally:
-            self._conn = None
+            await asyncio.wait_for(conn.execute("ROLLBACK"), timeout=self.config.timeout_s + 1)
+        except (psycopg.Error, TimeoutError):
+            await self._discard(conn)
 
     async def close(self) -> None:
-        if self._conn is not None:
-            await self._conn.close()
-            self._conn = None
+        async with self._lock:
+            if self._conn is not None:
+                await self._discard(self._conn)

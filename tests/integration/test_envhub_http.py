@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Iterator
 from urllib.parse import quote
 
@@ -21,7 +23,7 @@ def site() -> Iterator[str]:
 
 def local_config(**kw: object) -> HttpConfig:
     """The local test site is on 127.0.0.1: exempt exactly that address, any port."""
-    return HttpConfig(allowed_ports=(), allowed_private_networks=("127.0.0.1/32",), **kw)  # type: ignore[arg-type]
+    return HttpConfig(allowed_ports=(), allowed_private_networks=("127.0.0.1/32",), **kw)
 
 
 async def test_default_config_blocks_the_local_site(site: str) -> None:
@@ -91,4 +93,56 @@ async def test_size_cap(site: str) -> None:
     client = SafeHttpClient(local_config(max_bytes=10_000))
     result = await client.fetch(site + "big")
     assert result.truncated and len(result.body) == 10_000
+    await client.aclose()
+
+
+async def test_each_host_name_gets_its_own_connection() -> None:
+    """Two names on one address must not share a pooled connection (over TLS the reused one
+    would carry a certificate verified for the first name only)."""
+    connections = 0
+    hosts: list[str] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        with contextlib.suppress(ConnectionError):
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                hosts.append(
+                    next(
+                        h.split(b":", 1)[1].strip().decode()
+                        for h in head.split(b"\r\n")
+                        if h.lower().startswith(b"host:")
+                    )
+                )
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok")
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def resolve(host: str, p: int) -> list[str]:
+        return ["127.0.0.1"]
+
+    client = SafeHttpClient(local_config(), resolver=resolve)
+    for name in ("one.test", "two.test", "one.test"):
+        assert (await client.fetch(f"http://{name}:{port}/")).body == b"ok"
+    await client.aclose()
+    server.close()
+    await server.wait_closed()
+    assert hosts == [f"one.test:{port}", f"two.test:{port}", f"one.test:{port}"]
+    assert connections == 3
+
+
+async def test_each_validated_address_is_tried_in_turn(site: str) -> None:
+    """127.0.0.2 refuses (the site binds 127.0.0.1 only); the fetch goes on to the next address."""
+    port = int(site.rsplit(":", 1)[1].strip("/"))
+
+    async def resolve(host: str, p: int) -> list[str]:
+        return ["127.0.0.2", "127.0.0.1"] if host == "two.test" else await system_resolver(host, p)
+
+    client = SafeHttpClient(HttpConfig(allowed_ports=(), allowed_private_networks=("127.0.0.0/8",)), resolver=resolve)
+    result = await client.fetch(f"http://two.test:{port}/index.html")
+    assert result.status == 200 and "Envhub Test Shop" in result.text()
+    assert result.addresses == ("127.0.0.1",)
     await client.aclose()

@@ -3,17 +3,21 @@ clear tool error, and leaves the host unchanged."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import stat
+import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from envhub.config import SandboxConfig
 from envhub.connectors import seccomp
-from envhub.connectors.sandbox import CodeSandbox
+from envhub.connectors.sandbox import CodeSandbox, default_python
 from envhub.envs._data import load_tasks
 from envhub.envs.code_math import CodeMathEnv
 from envhub.loop import ToolLoop
@@ -23,26 +27,40 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewra
 
 # A uid no other test uses, so leftover processes of the run are countable (root hubs drop to it).
 TEST_UID = 61_000 + os.getpid() % 1000
+# RLIMIT_NOFILE of every sandbox of this run: a tag on the sandboxed Python's command line
+# (``python -I -c <boot> cpu mem fsize nproc nofile``; forks inherit it), so leftovers are
+# countable when the hub is not root and the code keeps the hub's uid.
+NOFILE_TAG = 1_000 + os.getpid() % 1000
 
 
 def sandbox(**kw: object) -> CodeSandbox:
-    defaults: dict[str, object] = {"wall_s": 3.0, "cpu_s": 1, "memory_mb": 128, "run_as_uid": TEST_UID}
+    defaults: dict[str, object] = {
+        "wall_s": 3.0,
+        "cpu_s": 1,
+        "memory_mb": 128,
+        "run_as_uid": TEST_UID,
+        "max_open_files": NOFILE_TAG,
+    }
     defaults.update(kw)
-    return CodeSandbox(SandboxConfig(**defaults))  # type: ignore[arg-type]
+    return CodeSandbox(SandboxConfig.model_validate(defaults))
 
 
 def leftover_processes() -> list[int]:
-    """PIDs still running as the test uid (root hubs drop to it), read from /proc."""
-    if os.geteuid() != 0:
-        return []
+    """PIDs of this run's sandboxes still alive, read from /proc: as root, every process of
+    the test uid; in any case, every process whose command line is a tagged sandbox boot."""
     pids = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid == TEST_UID:
-                    pids.append(int(entry))
-            except FileNotFoundError:
-                continue
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            uid = os.stat(f"/proc/{entry}").st_uid
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        tagged = b"import resource, sys" in b"".join(argv) and str(NOFILE_TAG).encode() in argv[-3:]
+        if (os.geteuid() == 0 and uid == TEST_UID) or tagged:
+            pids.append(int(entry))
     return pids
 
 
@@ -51,6 +69,20 @@ def assert_no_leftovers() -> None:
     while leftover_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leftover_processes() == []
+
+
+async def test_leftover_detector_sees_a_running_sandbox() -> None:
+    """The check the escape tests rely on must see sandboxed processes, root or not."""
+    run = asyncio.ensure_future(sandbox(wall_s=3, max_processes=4).run("import os, time\nos.fork()\ntime.sleep(30)"))
+    seen: list[int] = []
+    deadline = time.monotonic() + 2.5
+    while len(seen) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        seen = leftover_processes()
+    r = await run
+    assert len(seen) >= 2, seen  # the sandboxed Python and its fork
+    assert r.timed_out
+    assert_no_leftovers()
 
 
 async def test_plain_code_runs() -> None:
@@ -188,3 +220,79 @@ async def test_code_math_env_grades_a_sandboxed_solution() -> None:
     assert d.should_continue and d.observation[0].content == "exit status 0\n--- stdout ---\n1366\n"
     d = await loop.on_turn("<answer>1366</answer>")
     assert d.done and d.reward == 1.0
+
+
+@pytest.fixture
+def flaky_bwrap() -> Iterator[tuple[str, Callable[[str], None]]]:
+    """A bwrap stand-in: fails, then (``state("hang")``) hangs, then (``state("ready")``)
+    execs the real one."""
+    with tempfile.TemporaryDirectory(prefix="envhub-probe-") as d:
+        os.chmod(d, 0o755)  # the dropped uid must reach the script
+        fake = Path(d, "bwrap")
+        fake.write_text(
+            f'#!/bin/sh\n[ -e {d}/ready ] && exec /usr/bin/bwrap "$@"\n[ -e {d}/hang ] && exec sleep 30\n'
+            "echo 'bwrap: Creating new namespace failed: Resource temporarily unavailable' >&2\nexit 1\n"
+        )
+        fake.chmod(stat.S_IRWXU | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+        yield str(fake), lambda name: Path(d, name).touch()
+
+
+async def test_probe_failures_are_tool_errors_and_not_remembered(
+    flaky_bwrap: tuple[str, Callable[[str], None]],
+) -> None:
+    """A failing or hanging probe (a loaded host) is ``unavailable`` and not cached: once
+    bubblewrap works again, the same sandbox object runs code."""
+    fake, state = flaky_bwrap
+    box = sandbox(bwrap_path=fake, probe_timeout_s=0.5)
+    with pytest.raises(ToolError, match="Resource temporarily unavailable") as err:
+        await box.run("print(1)")
+    assert err.value.kind == "unavailable"
+    state("hang")
+    t0 = time.monotonic()
+    with pytest.raises(ToolError, match="did not finish") as err:
+        await box.run("print(1)")
+    assert err.value.kind == "unavailable" and time.monotonic() - t0 < 3
+    state("ready")
+    r = await box.run("print(6 * 7)")
+    assert r.ok and r.stdout == "42\n"
+    assert_no_leftovers()
+
+
+async def test_a_missing_interpreter_is_a_tool_error() -> None:
+    box = sandbox(isolation="none", allow_unisolated=True, python="/nonexistent/python3")
+    with pytest.raises(ToolError, match="cannot start") as err:
+        await box.run("print(1)")
+    assert err.value.kind == "unavailable"
+
+
+def test_default_interpreter_lives_under_usr() -> None:
+    python = default_python()
+    assert python.startswith("/usr/") and os.access(python, os.X_OK)
+    assert CodeSandbox().python == python and CodeSandbox(SandboxConfig(python="/usr/bin/x")).python == "/usr/bin/x"
+
+
+FORK_AND_ALLOCATE = """
+import os, time
+held = [bytearray(48 * 1024 * 1024)]  # the parent's share
+allocated = 1
+for _ in range(16):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        held.append(bytearray(48 * 1024 * 1024)); time.sleep(1); os._exit(0)
+    allocated += 1
+print(allocated * 48)
+"""
+
+
+async def test_default_limits_cap_total_memory_at_memory_mb() -> None:
+    """RLIMIT_AS is per process: the default max_processes leaves no room to fork, so the
+    code's total stays under memory_mb; a larger max_processes multiplies it (documented)."""
+    default = SandboxConfig()
+    r = await sandbox(memory_mb=64, max_processes=default.max_processes).run(FORK_AND_ALLOCATE)
+    assert r.ok and int(r.stdout) <= 64, r.describe()
+    r = await sandbox(memory_mb=64, max_processes=4).run(FORK_AND_ALLOCATE)
+    assert r.ok and int(r.stdout) == 3 * 48, r.describe()  # (max_processes - 1) x memory_mb at most
+    assert_no_leftovers()

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from envhub.config import SqlConfig
-from envhub.connectors.sql import SqliteReadOnly, first_keyword
+from envhub.connectors.sql import SqliteReadOnly, first_keyword, render_rows
 from envhub.envs._data import BUNDLED_DB
 from server.errors import ToolError
 
@@ -20,7 +23,7 @@ def _digest(path: Path) -> str:
 
 
 @pytest.fixture
-def db(tmp_path: Path) -> SqliteReadOnly:
+def db(tmp_path: Path) -> Iterator[SqliteReadOnly]:
     copy = tmp_path / "company.sqlite"
     shutil.copy(BUNDLED_DB, copy)
     conn = SqliteReadOnly(copy, SqlConfig(timeout_s=0.3, max_rows=5, max_bytes=2000))
@@ -104,3 +107,41 @@ def test_missing_database_is_a_tool_error(tmp_path: Path) -> None:
 def test_first_keyword_skips_comments() -> None:
     assert first_keyword("  -- hi\n /* x */ SELECT 1") == "select"
     assert first_keyword("/* a */ delete from t") == "delete"
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+async def test_huge_cells_are_refused_quickly_with_bounded_memory(db: SqliteReadOnly) -> None:
+    """A model-written ``zeroblob`` query must neither materialise 100 MB nor overrun the deadline."""
+    before = _peak_rss_mib()
+    t0 = time.monotonic()
+    with pytest.raises(ToolError) as err:
+        await db.query("SELECT zeroblob(50000000), zeroblob(50000000)")
+    elapsed = time.monotonic() - t0
+    assert err.value.kind == "refused" and "too large" in str(err.value)
+    assert elapsed < 1.0, elapsed  # well inside the deadline (timeout_s = 0.3 plus thread hop)
+    assert _peak_rss_mib() - before < 64
+
+
+async def test_wide_rows_are_truncated_per_cell_and_in_total(db: SqliteReadOnly) -> None:
+    # Each cell is under SQLITE_LIMIT_LENGTH but the rows together are far over max_bytes (2000).
+    out = await db.query("SELECT hex(zeroblob(3000)) AS a, hex(zeroblob(3000)) AS b FROM employees")
+    assert len(out) <= 2000 + 60 and "truncated at 2000 characters" in out
+    assert out.startswith("a\tb\n" + "0" * 100)
+
+
+def test_render_rows_never_builds_more_than_the_cap() -> None:
+    class Huge:
+        """A cell whose full rendering would be enormous; only a prefix may be asked for."""
+
+        def __str__(self) -> str:
+            raise AssertionError("rendered the whole cell")
+
+    big = "x" * 1_000_000
+    out = render_rows(["a", "b"], [[big, b"\x00" * 1_000_000], [1, None]], False, 300)
+    assert len(out) <= 300 + 60 and "truncated at 300 characters" in out
+    # rows after the cap is reached are not rendered at all
+    out = render_rows(["a"], [[big], [Huge()]], False, 300)
+    assert "truncated at 300 characters" in out

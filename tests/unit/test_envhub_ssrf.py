@@ -36,6 +36,10 @@ BLOCKED = [
     "2002:7f00:1::",  # 6to4 wrapping 127.0.0.1
     "2001:0:4136:e378:8000:63bf:3fff:fdd2",  # Teredo
     "224.0.0.1",
+    "::7f00:1",  # IPv4-compatible (::/96) wrapping 127.0.0.1
+    "::808:808",  # IPv4-compatible is deprecated: blocked whatever it wraps
+    "::ffff:0:7f00:1",  # SIIT IPv4-translated (::ffff:0:0:0/96) wrapping 127.0.0.1
+    "::ffff:0:808:808",
 ]
 ALLOWED = ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", "::ffff:8.8.8.8"]
 
@@ -119,4 +123,40 @@ async def test_explicit_private_exemption_is_narrow() -> None:
     for url in ("http://127.0.0.2/", "http://10.0.0.1/", "http://169.254.169.254/"):
         with pytest.raises(ToolError):
             await client.validate(httpx.URL(url))
+    await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://" + "a" * 64 + ".com/",  # a DNS label over 63 octets
+        "http://a..b/",  # an empty label
+        "http://xn--zz.com/",  # an invalid A-label
+    ],
+)
+async def test_unencodable_host_names_are_invalid_not_a_crash(url: str) -> None:
+    client = SafeHttpClient(HttpConfig())
+    for call in (client.validate(httpx.URL(url)), client.fetch(url)):
+        with pytest.raises(ToolError) as err:
+            await call
+        assert err.value.kind == "invalid"
+    if "xn--" not in url:  # (an ASCII "xn--" name passes the codec: a DNS lookup, not here)
+        with pytest.raises(ToolError) as err:  # the resolver maps the codec's errors itself too
+            await system_resolver(url.split("/")[2], 80)
+        assert err.value.kind == "invalid"
+    await client.aclose()
+
+
+async def test_validate_prefers_ipv4_and_returns_every_address_in_order() -> None:
+    log: list[str] = []
+    table = {"dual.example": [["2606:4700:4700::1111", "2001:4860:4860::8888", "8.8.8.8", "1.1.1.1"]]}
+    client = SafeHttpClient(HttpConfig(), resolver=make_resolver(table, log))
+    # hosts without IPv6 connectivity must not be handed an IPv6 address first
+    assert await client.validate(httpx.URL("https://dual.example/")) == "8.8.8.8"
+    assert await client.validate_all(httpx.URL("https://dual.example/")) == (
+        "8.8.8.8",
+        "1.1.1.1",
+        "2606:4700:4700::1111",
+        "2001:4860:4860::8888",
+    )
     await client.aclose()
