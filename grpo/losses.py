@@ -1,0 +1,82 @@
+"""Token-level policy losses (torch): the clipped surrogate, the k3 KL estimator, the clipped value loss.
+
+Inputs are ``[batch, tokens]`` tensors with a boolean ``mask`` of the tokens to train on. Aggregation:
+
+* ``"seq_mean"`` (GRPO): mean over each sequence's masked tokens, then mean over sequences;
+* ``"token_mean"`` (DAPO): sum over all masked tokens / their count;
+* ``"constant"`` (Dr. GRPO): sum over masked tokens / (batch * ``norm_tokens``) — no length bias.
+
+A batch whose mask is empty gives a zero loss that still has a graph (so ``backward`` is always safe).
+Masked positions never reach the loss or its gradient, whatever they hold (``torch.where``, not ``* mask``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["seq_mean", "token_mean", "constant"]
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, norm_tokens: int = 0) -> torch.Tensor:
+    per_token = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
+    m = mask.to(per_token.dtype)
+    if mode == "token_mean":
+        return (per_token * m).sum() / m.sum().clamp(min=1.0)
+    if mode == "constant":
+        return (per_token * m).sum() / (per_token.shape[0] * max(1, norm_tokens or per_token.shape[1]))
+    per_seq = (per_token * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+    return per_seq.mean()
+
+
+def clipped_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    weights: torch.Tensor | None = None,
+    mode: Aggregation = "seq_mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO/GRPO loss ``-min(ratio*A, clip(ratio, 1-low, 1+high)*A)``; ``weights`` scale whole sequences."""
+    m = mask.bool()
+    zero = torch.zeros_like(logprobs)
+    # Masked positions (env/prompt tokens, padding) may hold any old logprob (0, -inf, NaN): select, never
+    # multiply, so that inf * 0 cannot turn into NaN in the loss or its gradient.
+    log_ratio = torch.where(m, logprobs - torch.where(m, old_logprobs, zero), zero).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(m, advantages, zero)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = torch.where(m, -torch.minimum(unclipped, clipped), zero)
+    if weights is not None:
+        per_token = per_token * weights[:, None]
+    loss = aggregate(per_token, mask, mode)
+    with torch.no_grad():
+        n = max(1, int(m.sum()))
+        stats = {
+            "clip_frac": float(((unclipped != clipped) & m).sum()) / n,
+            "ratio_mean": float(ratio[m].mean()) if m.any() else 1.0,
+        }
+    return loss, stats
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(policy || reference) (Schulman): ``exp(r) - r - 1``, ``r = ref - logp``."""
+    r = ref_logprobs - logprobs
+    return torch.exp(r) - r - 1.0
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float = 0.2
+) -> torch.Tensor:
+    """Clipped value loss (PPO2): ``0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)``, token mean."""
+    clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return aggregate(per_token, mask, "token_mean")
+
+
+__all__ = ["Aggregation", "aggregate", "clipped_surrogate", "kl_k3", "value_loss"]

@@ -1,0 +1,90 @@
+"""Trainer-side forward passes for a GRPO group that shares one prompt, and weight export for UpdateWeights.
+
+``group_forward`` runs the prompt once (with gradients) and the G completions on top of its KV, expanded
+to G rows: the same logprobs and the same gradient as G full forwards, for one prompt's compute instead of
+G (the trainer-side twin of the engine's shared group prefill). Completions are right-padded, so padding
+only ever follows the real tokens of a row and changes nothing the mask selects.
+
+``save_for_bridge`` writes the model's parameters as ``model.safetensors`` under their HF names without
+``lm_head.weight`` (tied to the embeddings; safetensors refuses shared tensors) — what the embedded
+engine's ``update_weights`` loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+
+@dataclass
+class GroupForward:
+    logprobs: torch.Tensor  # [G, L] logprob of each completion token under the current weights
+    hidden: torch.Tensor | None  # [G, L, H] hidden state that predicted each token (when asked)
+    mask: torch.Tensor  # [G, L] real (non-padding) positions
+
+
+def pad_right(rows: Sequence[npt.ArrayLike], value: float, dtype: torch.dtype) -> torch.Tensor:
+    width = max(1, max(len(np.asarray(r)) for r in rows))
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        a = torch.as_tensor(np.asarray(r))
+        out[i, : a.shape[0]] = a.to(dtype)
+    return out
+
+
+def group_forward(
+    model: Any,
+    prompt_ids: Sequence[int],
+    completions: Sequence[npt.ArrayLike],
+    with_hidden: bool = False,
+    temperature: float = 1.0,
+) -> GroupForward:
+    """Logprobs (and optionally hidden states) of G completions that share ``prompt_ids``.
+
+    ``temperature`` must be the sampling temperature: the bridge reports logprobs of the tempered
+    distribution the token was drawn from, and the ratio is only 1 on-policy when both sides match.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    g = len(completions)
+    prompt = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
+    out = model(input_ids=prompt, use_cache=True, output_hidden_states=with_hidden)
+    first_logits = out.logits[:, -1:].float().expand(g, -1, -1)  # predicts each completion's first token
+    layers = [(k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1)) for k, v in _kv(out.past_key_values)]
+    cache = DynamicCache(ddp_cache_data=layers)
+    ids = pad_right(completions, 0, torch.long)
+    mask = pad_right([np.ones(len(np.asarray(c)), dtype=bool) for c in completions], 0, torch.bool)
+    comp = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=with_hidden)
+    logits = torch.cat([first_logits, comp.logits[:, :-1].float()], dim=1)  # position j predicts token j
+    logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+    hidden = None
+    if with_hidden:
+        h_prompt = out.hidden_states[-1][:, -1:].expand(g, -1, -1)
+        hidden = torch.cat([h_prompt, comp.hidden_states[-1][:, :-1]], dim=1)
+    return GroupForward(logprobs, hidden, mask)
+
+
+def _kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def save_for_bridge(model: Any, directory: str | Path) -> Path:
+    """Write the weights for ``UpdateWeights`` (atomically replaced file) and return the directory."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tmp = d / "model.safetensors.tmp"
+    save_file(state, str(tmp))
+    tmp.replace(d / "model.safetensors")
+    return d
+
+
+__all__ = ["GroupForward", "group_forward", "pad_right", "save_for_bridge"]

@@ -1,0 +1,290 @@
+"""Composable reward functions and the ``Rater`` that combines them (absolute, group-relative, Pareto).
+
+A reward function maps one finished ``Rollout`` (its assistant turns' text, the tool results the
+environment returned, the task's expected answer) to a float in [0, 1]. ``Rater`` takes a weighted sum
+(``mode="absolute"``), rescales it inside each group (``"group_relative"``: min-max to [0, 1]), or ranks
+members by Pareto dominance over the objectives (``"pareto"``: 1.0 for the non-dominated front down to
+0.0 for the last front). Per-turn rewards come from ``turn_rewards``: the tool-trace score of each turn.
+
+Tool calls are parsed from ``<tool_call>...</tool_call>`` blocks whose payload is ``{"name", "arguments"}``
+or a JSON list of those (SmolLM2 writes lists); an unterminated block (the turn hit ``max_tokens``) is
+parsed as far as it goes. Arguments are validated against the tool's JSON schema (``jsonschema``).
+Invariant: no reward function raises for anything a model wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jsonschema
+
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+END_MARKERS = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>")
+_NUMBER = r"-?\d+(?:\.\d+)?"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedTurn:
+    """The tool calls of one turn: well-formed ones and one error per malformed block or entry."""
+
+    has_block: bool
+    calls: tuple[ToolCall, ...]
+    errors: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What the environment returned for one call (``ok=False``: the tool failed or refused)."""
+
+    name: str
+    ok: bool
+    output: str
+
+
+@dataclass
+class Rollout:
+    """One finished episode as the rater sees it."""
+
+    turns: list[str]  # assistant text per turn (end markers allowed)
+    tool_results: list[ToolResult] = field(default_factory=list)
+    expected: str | None = None  # the task's answer, when it has one
+    generated_tokens: int = 0
+
+
+def strip_end(text: str) -> str:
+    text = text.rstrip()
+    for m in END_MARKERS:
+        if text.endswith(m):
+            text = text[: -len(m)].rstrip()
+    return text
+
+
+def _strip_partial_close(block: str) -> str:
+    """A block cut by max_tokens may end in a prefix of the closing tag (``</tool``): drop it."""
+    tail = block.rstrip()
+    for n in range(len("</tool_call>") - 1, 1, -1):
+        if tail.endswith("</tool_call>"[:n]):
+            return tail[:-n]
+    return block
+
+
+def parse_tool_calls(text: str) -> ParsedTurn:
+    """Parse every ``<tool_call>`` block of ``text`` (never raises)."""
+    blocks = [_strip_partial_close(b) for b in TOOL_CALL_RE.findall(strip_end(text))]
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for raw in blocks:
+        try:
+            value = json.loads(raw.strip())
+        except json.JSONDecodeError as e:
+            errors.append(f"not valid JSON: {e.msg}")
+            continue
+        for entry in value if isinstance(value, list) else [value]:
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                errors.append('not an object {"name": ..., "arguments": {...}}')
+                continue
+            args = entry.get("arguments", entry.get("parameters", {}))
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    errors.append("arguments are a string that is not JSON")
+                    continue
+            if not isinstance(args, dict):
+                errors.append("arguments are not an object")
+                continue
+            calls.append(ToolCall(entry["name"], args))
+    return ParsedTurn(bool(blocks), tuple(calls), tuple(errors))
+
+
+def schema_errors(call: ToolCall, schemas: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Why ``call`` does not fit its tool's schema (empty when it does); ``schemas`` maps name -> tool spec."""
+    spec = schemas.get(call.name)
+    if spec is None:
+        return [f"unknown tool {call.name!r}"]
+    params = spec.get("function", spec).get("parameters", {"type": "object"})
+    validator = jsonschema.Draft202012Validator(params)
+    return [e.message for e in validator.iter_errors(call.arguments)]
+
+
+def tool_index(tools: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """name -> tool spec, for OpenAI-style ``{"type": "function", "function": {...}}`` or bare specs."""
+    return {str(t.get("function", t)["name"]): t for t in tools}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolTraceScore:
+    """Fractions in [0, 1]; ``called`` is 1 when any block was emitted."""
+
+    called: float
+    parsed: float  # well-formed calls / (calls + malformed blocks)
+    schema_valid: float  # calls valid against their schema / calls
+    succeeded: float  # tool results ok / results (0 when nothing ran)
+
+
+def score_tool_trace(
+    turns: Sequence[str], results: Sequence[ToolResult], schemas: Mapping[str, Mapping[str, Any]]
+) -> ToolTraceScore:
+    parsed = [parse_tool_calls(t) for t in turns]
+    calls = [c for p in parsed for c in p.calls]
+    n_err = sum(len(p.errors) for p in parsed)
+    if not any(p.has_block for p in parsed):
+        return ToolTraceScore(0.0, 0.0, 0.0, 0.0)
+    total = len(calls) + n_err
+    valid = sum(not schema_errors(c, schemas) for c in calls)
+    return ToolTraceScore(
+        called=1.0,
+        parsed=len(calls) / total if total else 0.0,
+        schema_valid=valid / len(calls) if calls else 0.0,
+        succeeded=sum(r.ok for r in results) / len(results) if results else 0.0,
+    )
+
+
+RewardFn = Callable[[Rollout], float]
+
+
+def tool_trace_reward(
+    schemas: Mapping[str, Mapping[str, Any]], weights: tuple[float, float, float] = (0.4, 0.3, 0.3)
+) -> RewardFn:
+    """Weighted (parsed, schema-valid, succeeded) of the episode's tool trace."""
+
+    def fn(r: Rollout) -> float:
+        s = score_tool_trace(r.turns, r.tool_results, schemas)
+        return weights[0] * s.parsed + weights[1] * s.schema_valid + weights[2] * s.succeeded
+
+    return fn
+
+
+def final_answer(text: str) -> str | None:
+    """The number after ``Answer:`` in the last turn, else None (a turn with a tool call is not an answer)."""
+    t = strip_end(text)
+    if TOOL_CALL_RE.search(t):
+        return None
+    m = re.search(r"answer\s*(?:is)?\s*[:=]?\s*(" + _NUMBER + ")", t, re.IGNORECASE)
+    return m.group(1) if m else None
+
+
+def exact_answer(r: Rollout) -> float:
+    """1 when the last turn's ``Answer: N`` equals the expected answer numerically."""
+    if r.expected is None or not r.turns:
+        return 0.0
+    got = final_answer(r.turns[-1])
+    if got is None:
+        return 0.0
+    try:
+        return float(abs(float(got) - float(r.expected)) < 1e-6)
+    except ValueError:
+        return 0.0
+
+
+def answer_format(r: Rollout) -> float:
+    """1 when the last turn is exactly ``Answer: <number>`` (nothing else)."""
+    if not r.turns:
+        return 0.0
+    return float(re.fullmatch(r"\s*Answer:\s*" + _NUMBER + r"\s*", strip_end(r.turns[-1])) is not None)
+
+
+def length_penalty(budget: int) -> RewardFn:
+    """1 within ``budget`` generated tokens, falling linearly to 0 at twice the budget."""
+
+    def fn(r: Rollout) -> float:
+        over = max(0, r.generated_tokens - budget)
+        return max(0.0, 1.0 - over / max(1, budget))
+
+    return fn
+
+
+Mode = Literal["absolute", "group_relative", "pareto"]
+
+
+def pareto_fronts(points: Sequence[Sequence[float]]) -> list[int]:
+    """Non-dominated sorting: front index per point (0 = not dominated by anyone)."""
+    n = len(points)
+    front = [-1] * n
+    remaining = set(range(n))
+    level = 0
+
+    def dominates(a: Sequence[float], b: Sequence[float]) -> bool:
+        return all(x >= y for x, y in zip(a, b, strict=True)) and any(x > y for x, y in zip(a, b, strict=True))
+
+    while remaining:
+        current = {i for i in remaining if not any(dominates(points[j], points[i]) for j in remaining if j != i)}
+        for i in current:
+            front[i] = level
+        remaining -= current
+        level += 1
+    return front
+
+
+class Rater:
+    """Named reward functions with weights; ``rate_group`` applies the mode across a GRPO group."""
+
+    def __init__(self, fns: Mapping[str, tuple[RewardFn, float]], mode: Mode = "absolute") -> None:
+        if not fns:
+            raise ValueError("a Rater needs at least one reward function")
+        self.fns = dict(fns)
+        self.mode = mode
+        total = sum(w for _, w in self.fns.values())
+        self._norm = total if total > 0 else 1.0
+
+    def components(self, r: Rollout) -> dict[str, float]:
+        return {name: float(fn(r)) for name, (fn, _) in self.fns.items()}
+
+    def absolute(self, r: Rollout) -> float:
+        """The weighted mean of the components (in [0, 1] when every component is)."""
+        c = self.components(r)
+        return sum(c[n] * w for n, (_, w) in self.fns.items()) / self._norm
+
+    def rate_group(self, group: Sequence[Rollout]) -> list[float]:
+        if self.mode == "absolute":
+            return [self.absolute(r) for r in group]
+        if self.mode == "group_relative":
+            raw = [self.absolute(r) for r in group]
+            lo, hi = min(raw), max(raw)
+            return [0.0 if hi == lo else (x - lo) / (hi - lo) for x in raw]
+        comps = [self.components(r) for r in group]
+        names = list(self.fns)
+        fronts = pareto_fronts([[c[n] for n in names] for c in comps])
+        worst = max(fronts)
+        return [1.0 if worst == 0 else 1.0 - f / worst for f in fronts]
+
+    def turn_rewards(self, r: Rollout, schemas: Mapping[str, Mapping[str, Any]]) -> list[float]:
+        """Per-turn reward: a turn with tool calls scores its (parsed + schema-valid) / 2, others 0."""
+        out = []
+        for t in r.turns:
+            s = score_tool_trace([t], [], schemas)
+            out.append(0.5 * (s.parsed + s.schema_valid) if s.called else 0.0)
+        return out
+
+
+__all__ = [
+    "Mode",
+    "ParsedTurn",
+    "Rater",
+    "RewardFn",
+    "Rollout",
+    "ToolCall",
+    "ToolResult",
+    "ToolTraceScore",
+    "answer_format",
+    "exact_answer",
+    "final_answer",
+    "length_penalty",
+    "pareto_fronts",
+    "parse_tool_calls",
+    "schema_errors",
+    "score_tool_trace",
+    "strip_end",
+    "tool_index",
+    "tool_trace_reward",
+]

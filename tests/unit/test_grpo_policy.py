@@ -1,0 +1,105 @@
+"""grpo.policy and grpo.losses on a tiny random Llama: the shared-prompt group forward gives the same
+logprobs and gradients as G independent full forwards; the exported weights omit the tied lm_head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from grpo.losses import aggregate, clipped_surrogate, kl_k3, value_loss  # noqa: E402
+from grpo.policy import group_forward, save_for_bridge  # noqa: E402
+
+
+def tiny_model() -> object:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
+def full_logprobs(model: object, prompt: list[int], comp: list[int], temperature: float) -> object:
+    ids = torch.tensor([prompt + comp])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature  # type: ignore[operator]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(comp)[:, None]).squeeze(-1)
+
+
+@pytest.mark.slow  # ~20 s on a loaded 2-core machine (first model build)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_group_forward_equals_independent_full_forwards(temperature: float) -> None:
+    model = tiny_model()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 97, 9).tolist()
+    comps = [rng.integers(0, 97, n).tolist() for n in (5, 1, 8)]
+    fwd = group_forward(model, prompt, [np.array(c) for c in comps], with_hidden=True, temperature=temperature)
+    assert fwd.logprobs.shape == (3, 8) and fwd.hidden is not None and fwd.hidden.shape == (3, 8, 32)
+    assert fwd.mask.sum(1).tolist() == [5, 1, 8]
+    weights = torch.tensor([0.3, -1.0, 2.0])
+    (fwd.logprobs * fwd.mask * weights[:, None]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
+    model.zero_grad()  # type: ignore[attr-defined]
+    total = 0
+    for i, c in enumerate(comps):
+        ref = full_logprobs(model, prompt, c, temperature)
+        torch.testing.assert_close(fwd.logprobs[i, : len(c)].detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+        total = total + ref.sum() * weights[i]
+    total.backward()  # type: ignore[union-attr]
+    for n, p in model.named_parameters():  # type: ignore[attr-defined]
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_save_for_bridge_writes_every_parameter_but_the_tied_head(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model = tiny_model()
+    d = save_for_bridge(model, tmp_path / "w")
+    state = load_file(str(d / "model.safetensors"))
+    own = model.state_dict()  # type: ignore[attr-defined]
+    assert "lm_head.weight" not in state and set(state) == set(own) - {"lm_head.weight"}
+    torch.testing.assert_close(state["model.embed_tokens.weight"], own["lm_head.weight"])
+    assert [p.name for p in d.iterdir()] == ["model.safetensors"]
+
+
+def test_losses_clip_aggregate_and_kl() -> None:
+    lp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+    old = torch.log(torch.tensor([[0.25, 0.5, 0.5], [0.5, 0.5, 0.9]]))  # ratios 2, 1, 1 / 1, 1, 0.556
+    adv_ = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    loss, st = clipped_surrogate(lp, old, adv_, mask, mode="token_mean")
+    # row 0: min(2*1, 1.2*1) = 1.2, 1 -> -(1.2 + 1); row 1: -min(-1, -1), ..., -min(-.556, -.8) = .8
+    expected = (-(1.2 + 1.0) + (1.0 + 1.0 + 0.8)) / 5
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert st["clip_frac"] == pytest.approx(2 / 5)
+    per_tok = torch.tensor([[1.0, 3.0, 100.0], [2.0, 2.0, 2.0]])
+    assert float(aggregate(per_tok, mask, "seq_mean")) == pytest.approx((2.0 + 2.0) / 2)
+    assert float(aggregate(per_tok, mask, "token_mean")) == pytest.approx(10.0 / 5)
+    assert float(aggregate(per_tok, mask, "constant", norm_tokens=10)) == pytest.approx(10.0 / 20)
+    assert float(aggregate(per_tok, torch.zeros_like(mask), "seq_mean")) == 0.0
+    assert float(kl_k3(lp, lp).abs().max()) == 0.0 and float(kl_k3(lp, old).min()) >= 0.0
+    v = torch.tensor([[0.0, 1.0]])
+    assert float(value_loss(v, v, torch.tensor([[1.0, 1.0]]), torch.tensor([[True, True]]))) == pytest.approx(0.25)
+
+
+def test_masked_positions_holding_nan_never_reach_the_loss_or_gradient() -> None:
+    # the bridge reports NaN logprobs for prompt and env tokens; padding holds anything
+    lp = torch.tensor([[-1.0, -2.0, -30.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[float("nan"), -2.0, float("-inf"), float("nan")]])
+    mask = torch.tensor([[False, True, False, False]])
+    adv_ = torch.tensor([[float("inf"), 1.0, 1.0, float("nan")]])
+    for mode in ("seq_mean", "token_mean", "constant"):
+        loss, _ = clipped_surrogate(lp, old, adv_, mask, mode=mode)  # type: ignore[arg-type]
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
+        assert grad[0, 0] == grad[0, 2] == grad[0, 3] == 0.0 and grad[0, 1] != 0.0
