@@ -21,6 +21,11 @@ Invariants
   Each token carries the version of the weights that produced its logits.
 * Batching: sequences that need one decode token share a forward pass (left-padded KV, per-row positions);
   sequences join and leave at token boundaries. The batched KV is rebuilt only when membership changes.
+* Speculation (``GenerateRequest.drafter``): a sequence whose drafter proposes a draft leaves the batch for that
+  step and is fed [pending token + draft] in ONE forward of its own; ``engines.sampling.verify`` accepts or
+  resamples exactly, so the output is distributed as without speculation (greedy: identical up to float
+  rounding of a multi-token forward). The KV is then cropped to the accepted prefix; the last emitted token
+  stays pending as in plain decode. Steps with an empty draft take the plain (batched) path.
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ import numpy as np
 
 from engines.chat import HFTokenizer
 from engines.config import EmbeddedConfig
-from engines.sampling import raw_logprob, sample
+from engines.sampling import raw_logprob, sample, verify
 from engines.types import (
     EngineCounters,
     EngineHealth,
     EngineInfo,
     FinishReason,
     GenerateRequest,
+    Origin,
     TokenChunk,
     Usage,
     WeightUpdate,
@@ -312,6 +318,11 @@ class EmbeddedEngine:
         return EngineHealth(True, f"{len(self._active)} running, {len(self._waiting)} waiting")
 
     async def release(self, episode_id: str) -> None:
+        # On the worker, after any step in flight: a turn finishing in that step parks its KV first,
+        # so nothing of an ended episode is parked after its release.
+        await asyncio.get_running_loop().run_in_executor(self._worker, self._release, episode_id)
+
+    def _release(self, episode_id: str) -> None:
         self._store.take(("ep", episode_id))
         with self._groups_lock:
             for group, members in list(self._group_members.items()):
@@ -336,7 +347,7 @@ class EmbeddedEngine:
             self._task = None
         for seq in [*self._waiting, *self._active]:
             seq.queue.put_nowait(EngineUnavailable(f"embedded engine {self.info.replica!r} is shutting down"))
-        self._worker.shutdown(wait=True)
+        await asyncio.to_thread(self._worker.shutdown, True)  # a forward in flight finishes off the loop
 
     # -- scheduler ---------------------------------------------------------------------------------
 
@@ -382,43 +393,150 @@ class EmbeddedEngine:
                     events.append((seq, self._finish(seq, FinishReason.ABORT, ())))
                 else:
                     live.append(seq)
+            drafts = self._drafts(live)
             # One fed token each (kept in scheduling order, so a stable batch is reused as is).
             decode = [
                 s
                 for s in live
-                if s.in_batch or (s.logits is None and s.cache is not None and len(s.ids) - s.cached == 1)
+                if s not in drafts
+                and (s.in_batch or (s.logits is None and s.cache is not None and len(s.ids) - s.cached == 1))
             ]
             for seq in live:
-                if seq.logits is None and seq not in decode:
+                if seq.logits is None and seq not in decode and seq not in drafts:
                     self._prefill(seq)
+            rows = {seq: self._verify_forward(seq, draft) for seq, draft in drafts.items()}
             if decode:
                 self._decode(decode)
             version = self._version
             for seq in live:
+                if seq in drafts:
+                    events.append((seq, self._accept(seq, drafts[seq], rows[seq], version)))
+                    continue
                 assert seq.logits is not None
                 logits = seq.logits.double().numpy()
-                token, logprob = sample(logits, seq.request.params, seq.rng)
+                origin = Origin.SAMPLED
+                allowed = seq.request.constraint.allowed(seq.ids) if seq.request.constraint is not None else None
+                if allowed is not None and len(allowed) == 1:  # constrained mode: p~ = 1, no choice was made
+                    token, logprob, origin = int(allowed[0]), 0.0, Origin.FORCED
+                elif allowed is not None:  # constrained mode: sample the masked, renormalised distribution
+                    masked = np.full_like(logits, -np.inf)
+                    masked[list(allowed)] = logits[list(allowed)]
+                    token, logprob = sample(masked, seq.request.params, seq.rng)
+                else:
+                    token, logprob = sample(logits, seq.request.params, seq.rng)
                 raw = (raw_logprob(logits, token),) if seq.request.params.raw_logprobs else ()
                 seq.ids.append(token)
                 seq.logits = None
                 seq.produced += 1
                 self.counters.generated_tokens += 1
                 if token in seq.stops:
-                    events.append((seq, self._finish(seq, FinishReason.STOP, (token, logprob), raw)))
+                    events.append((seq, self._finish(seq, FinishReason.STOP, (token, logprob), raw, origin)))
                 elif seq.produced >= seq.budget:
-                    events.append((seq, self._finish(seq, FinishReason.LENGTH, (token, logprob), raw)))
+                    events.append((seq, self._finish(seq, FinishReason.LENGTH, (token, logprob), raw, origin)))
                 else:
-                    events.append((seq, TokenChunk((token,), (logprob,), version, raw_logprobs=raw)))
+                    origins = (origin,) if origin != Origin.SAMPLED else ()
+                    events.append((seq, TokenChunk((token,), (logprob,), version, origins, raw_logprobs=raw)))
         return events
 
+    # -- speculation (worker thread) -------------------------------------------------------------------
+
+    def _drafts(self, live: list[_Seq]) -> dict[_Seq, tuple[int, ...]]:
+        """Drafts of the sequences that have a drafter and at most one token to feed (others decode plainly)."""
+        drafts: dict[_Seq, tuple[int, ...]] = {}
+        for seq in live:
+            drafter = seq.request.drafter
+            if drafter is None or seq.request.constraint is not None:
+                continue  # constrained mode decodes under its mask, one token per forward
+            if len(seq.ids) - seq.cached > 1 or not (seq.in_batch or seq.cache is not None):
+                continue
+            draft = drafter.draft(seq.ids, seq.budget - seq.produced - 1)
+            if draft:
+                check_token_ids(draft, self.info.vocab_size, "draft")
+                drafts[seq] = tuple(draft)
+        return drafts
+
+    def _verify_forward(self, seq: _Seq, draft: tuple[int, ...]) -> list[np.ndarray]:
+        """Score [pending token + draft] in one forward; return the len(draft) + 1 next-token logit rows."""
+        import torch
+
+        if seq.in_batch:
+            self._unpack()
+        assert seq.cache is not None
+        feed = ([] if seq.logits is not None else [seq.ids[-1]]) + list(draft)
+        out = self.model(input_ids=torch.tensor([feed]), past_key_values=seq.cache, use_cache=True)
+        rows = ([seq.logits] if seq.logits is not None else []) + list(out.logits[0])
+        seq.cached += len(feed)
+        seq.logits = None
+        self.counters.forward_passes += 1
+        extra = self.counters.extra
+        extra["spec_forwards"] = extra.get("spec_forwards", 0) + 1
+        extra["spec_drafted"] = extra.get("spec_drafted", 0) + len(draft)
+        return [r.double().numpy() for r in rows]
+
+    def _accept(self, seq: _Seq, draft: tuple[int, ...], rows: list[np.ndarray], version: int) -> TokenChunk:
+        """Verify a scored draft, emit the accepted prefix plus one token, crop the KV to what was accepted."""
+        params = seq.request.params
+        emitted = verify(rows, draft, params, seq.rng)
+        accepted = sum(o == Origin.DRAFT_ACCEPTED for _, _, o in emitted)
+        assert seq.request.drafter is not None
+        seq.request.drafter.feedback(len(draft), accepted)
+        self.counters.extra["spec_accepted"] = self.counters.extra.get("spec_accepted", 0) + accepted
+        ids: list[int] = []
+        logprobs: list[float] = []
+        origins: list[Origin] = []
+        raw: list[float] = []
+        reason: FinishReason | None = None
+        for i, (token, logprob, origin) in enumerate(emitted):
+            ids.append(token)
+            logprobs.append(logprob)
+            origins.append(origin)
+            if params.raw_logprobs:
+                raw.append(raw_logprob(rows[i], token))
+            seq.ids.append(token)
+            seq.produced += 1
+            self.counters.generated_tokens += 1
+            if token in seq.stops:
+                reason = FinishReason.STOP
+            elif seq.produced >= seq.budget:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        # The KV holds the pending token and the whole draft; keep only the accepted part. The last emitted
+        # token is fed at the next step (or next turn), exactly as after a plain sample.
+        assert seq.cache is not None
+        surplus = seq.cached - (len(seq.ids) - 1)
+        if surplus > 0:
+            seq.cache.crop(-surplus)  # transformers 5: a negative count removes that many trailing tokens
+        seq.cached = len(seq.ids) - 1
+        if reason is None:
+            return TokenChunk(tuple(ids), tuple(logprobs), version, tuple(origins), raw_logprobs=tuple(raw))
+        seq.finish = reason
+        self._park(seq)
+        usage = Usage(prompt_tokens=len(seq.request.token_ids), cached_tokens=seq.reused, generated_tokens=seq.produced)
+        return TokenChunk(
+            tuple(ids),
+            tuple(logprobs),
+            version,
+            tuple(origins),
+            finish_reason=reason,
+            usage=usage,
+            raw_logprobs=tuple(raw),
+        )
+
     def _finish(
-        self, seq: _Seq, reason: FinishReason, last: tuple[int, float] | tuple[()], raw: tuple[float, ...] = ()
+        self,
+        seq: _Seq,
+        reason: FinishReason,
+        last: tuple[int, float] | tuple[()],
+        raw: tuple[float, ...] = (),
+        origin: Origin = Origin.SAMPLED,
     ) -> TokenChunk:
         seq.finish = reason
         self._park(seq)
         usage = Usage(prompt_tokens=len(seq.request.token_ids), cached_tokens=seq.reused, generated_tokens=seq.produced)
         ids, logprobs = ((last[0],), (last[1],)) if last else ((), ())
-        return TokenChunk(ids, logprobs, self._version, finish_reason=reason, usage=usage, raw_logprobs=raw)
+        origins = (origin,) if last and origin != Origin.SAMPLED else ()
+        return TokenChunk(ids, logprobs, self._version, origins, finish_reason=reason, usage=usage, raw_logprobs=raw)
 
     # -- KV bookkeeping (worker thread) --------------------------------------------------------------
 
@@ -445,7 +563,7 @@ class EmbeddedEngine:
             n -= 1  # the next token's logits are needed: recompute the last position
         if entry is not None and n > 0:
             if n < len(entry.ids):
-                entry.cache.crop(n)
+                entry.cache.crop(n - len(entry.ids))  # transformers 5: a negative count removes trailing tokens
                 entry.logits = None
             seq.cache, seq.cached, seq.reused = entry.cache, n, n
             seq.logits = entry.logits if n == len(seq.ids) else None

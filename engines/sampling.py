@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from engines.types import SamplingParams
+from engines.types import Origin, SamplingParams
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -72,3 +72,55 @@ def sample(logits: FloatArray, params: SamplingParams, rng: np.random.Generator)
         while logp[token] == -np.inf:  # a zero-width bucket can only be hit at its edge
             token -= 1
     return token, float(logp[token])
+
+
+def _greedy(logits: FloatArray) -> tuple[int, float]:
+    logp = log_softmax(logits)
+    token = int(np.argmax(logp))
+    return token, float(logp[token])
+
+
+def verify(
+    rows: FloatArray | list[FloatArray],
+    draft: tuple[int, ...] | list[int],
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> list[tuple[int, float, Origin]]:
+    """Verify a deterministic draft against the target's logits; return the emitted tokens.
+
+    ``rows[i]`` are the next-token logits after the history plus ``draft[:i]``; there are
+    ``len(draft) + 1`` of them. The result is the accepted draft prefix (``DRAFT_ACCEPTED``)
+    followed by one more token: ``RESAMPLED`` at the first rejection, or, when the whole
+    draft is accepted, a bonus token drawn from the last row by ``sample`` (``SAMPLED``).
+    Each entry carries log p(token) under the distribution ``sample`` uses for that row.
+    """
+    if len(rows) != len(draft) + 1:
+        raise ValueError(f"verify needs len(draft) + 1 = {len(draft) + 1} logit rows, got {len(rows)}")
+    out: list[tuple[int, float, Origin]] = []
+    for i, x in enumerate(draft):
+        if params.temperature == 0:
+            token, logprob = _greedy(rows[i])
+            if token == x:
+                out.append((token, logprob, Origin.DRAFT_ACCEPTED))
+                continue
+            out.append((token, logprob, Origin.RESAMPLED))
+            return out
+        logp = processed_logprobs(rows[i], params)
+        if rng.random() < np.exp(logp[x]):
+            out.append((int(x), float(logp[x]), Origin.DRAFT_ACCEPTED))
+            continue
+        # Rejected: the residual norm(max(0, p - q)) with q = delta_x is p with x removed.
+        weights = np.exp(logp)
+        weights[x] = 0.0
+        cdf = np.cumsum(weights)
+        if cdf[-1] <= 0.0:  # p(x) rounds below 1 but no other token has mass: x it is
+            out.append((int(x), float(logp[x]), Origin.DRAFT_ACCEPTED))
+            continue
+        token = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), cdf.shape[0] - 1)
+        while weights[token] == 0.0:  # a zero-width bucket can only be hit at its edge
+            token -= 1
+        out.append((token, float(logp[token]), Origin.RESAMPLED))
+        return out
+    token, logprob = sample(rows[len(draft)], params, rng)
+    out.append((token, logprob, Origin.SAMPLED))
+    return out

@@ -3,7 +3,9 @@
 The next-token distribution depends on the last two tokens through fixed random tables
 (bigram + hashed trigram logits), so it has genuine, context-dependent probabilities and
 exact logprobs. It honours every sampling knob (temperature, top-k, top-p, seed, stop ids,
-max_tokens, ignore_eos) and has a word-level tokenizer with a small chat template, which
+max_tokens, ignore_eos), verifies speculative drafts exactly (``GenerateRequest.drafter``:
+one "forward" scores the whole draft, ``engines.sampling.verify`` accepts or resamples) and
+has a word-level tokenizer with a small chat template, which
 makes it the engine of choice for fast protocol, load, fuzz and distribution tests.
 
 Invariants: the same ``(ToyConfig.seed, token history, SamplingParams.seed)`` always yields
@@ -19,7 +21,7 @@ from collections.abc import AsyncGenerator, Sequence
 import numpy as np
 
 from engines.config import ToyConfig
-from engines.sampling import raw_logprob, sample
+from engines.sampling import raw_logprob, sample, verify
 from engines.types import (
     EngineCounters,
     EngineHealth,
@@ -27,6 +29,7 @@ from engines.types import (
     FinishReason,
     GenerateRequest,
     Message,
+    Origin,
     TokenChunk,
     Usage,
     WeightUpdate,
@@ -142,6 +145,9 @@ class ToyEngine:
         ids: list[int] = []
         logprobs: list[float] = []
         raw: list[float] = []
+        origins: list[Origin] = []
+        drafter = request.drafter
+        saved = 0  # tokens emitted beyond one per target forward (speculation)
         try:
             while produced < budget:
                 if request.request_id in self._aborted:
@@ -149,33 +155,62 @@ class ToyEngine:
                     break
                 if self.config.token_delay_s:
                     await asyncio.sleep(self.config.token_delay_s)
-                logits = self.logits(history)
-                token, logprob = sample(logits, params, rng)
-                if params.raw_logprobs:
-                    raw.append(raw_logprob(logits, token))
-                history.append(token)
-                ids.append(token)
-                logprobs.append(logprob)
-                produced += 1
-                if token in stops:
+                draft = drafter.draft(history, budget - produced - 1) if drafter is not None else ()
+                if draft:
+                    # One target "forward" scores every draft position (plus the bonus position).
+                    rows = [self.logits([*history, *draft[:i]]) for i in range(len(draft) + 1)]
+                    emitted = verify(rows, draft, params, rng)
+                    drafter.feedback(len(draft), sum(o == Origin.DRAFT_ACCEPTED for _, _, o in emitted))  # type: ignore[union-attr]
+                    self.counters.extra["spec_drafted"] = self.counters.extra.get("spec_drafted", 0) + len(draft)
+                    saved += len(emitted) - 1
+                else:
+                    logits = self.logits(history)
+                    token, logprob = sample(logits, params, rng)
+                    rows, emitted = [logits], [(token, logprob, Origin.SAMPLED)]
+                stopped = False
+                for i, (token, logprob, origin) in enumerate(emitted):
+                    if params.raw_logprobs:
+                        raw.append(raw_logprob(rows[i], token))
+                    history.append(token)
+                    ids.append(token)
+                    logprobs.append(logprob)
+                    origins.append(origin)
+                    produced += 1
+                    if token in stops:
+                        stopped = True
+                        break
+                if stopped:
                     finish = FinishReason.STOP
                     break
-                if self.config.token_delay_s or produced % self.config.yield_every == 0:
+                if self.config.token_delay_s or produced % self.config.yield_every < len(emitted):
                     # Emit what we have and let other episodes and cancellation in. Not after
                     # every token: one event-loop turn costs ~100 us inside a grpc.aio server,
                     # more than a toy token, so tokens go out in batches as real engines do.
-                    yield TokenChunk(tuple(ids), tuple(logprobs), version, raw_logprobs=tuple(raw))
-                    ids, logprobs, raw = [], [], []
+                    yield TokenChunk(
+                        tuple(ids), tuple(logprobs), version, self._origins(origins), raw_logprobs=tuple(raw)
+                    )
+                    ids, logprobs, raw, origins = [], [], [], []
                     if not self.config.token_delay_s:
                         await asyncio.sleep(0)
             usage = Usage(prompt_tokens=prompt_len, cached_tokens=0, generated_tokens=produced)
             yield TokenChunk(
-                tuple(ids), tuple(logprobs), version, finish_reason=finish, usage=usage, raw_logprobs=tuple(raw)
+                tuple(ids),
+                tuple(logprobs),
+                version,
+                self._origins(origins),
+                finish_reason=finish,
+                usage=usage,
+                raw_logprobs=tuple(raw),
             )
         finally:
             self.counters.generated_tokens += produced
-            self.counters.forward_passes += produced
+            self.counters.forward_passes += produced - saved
             self._aborted.discard(request.request_id)
+
+    @staticmethod
+    def _origins(origins: list[Origin]) -> tuple[Origin, ...]:
+        """Empty (= all sampled, as before speculation existed) unless a token came from a draft."""
+        return tuple(origins) if any(o != Origin.SAMPLED for o in origins) else ()
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)

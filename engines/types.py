@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from server.errors import InvalidArgument, TokenOutOfVocabulary
 
@@ -76,12 +78,39 @@ def check_token_ids(ids: tuple[int, ...] | list[int], vocab_size: int, what: str
             raise TokenOutOfVocabulary(f"{what}[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
 
 
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes deterministic draft tokens for speculative decoding (``speculation/``).
+
+    The engine calls ``draft`` with the whole token history (prompt and everything emitted so
+    far) before a verify step and ``feedback`` after it. A draft never changes *what* is
+    sampled, only how many tokens one target forward yields (``engines.sampling.verify``).
+    """
+
+    def draft(self, history: Sequence[int], max_len: int) -> tuple[int, ...]: ...
+
+    def feedback(self, drafted: int, accepted: int) -> None: ...
+
+
+@runtime_checkable
+class Constraint(Protocol):
+    """Grammar mask for constrained decoding (opt-in; changes the sampling distribution).
+
+    ``allowed(history)`` returns the token ids allowed next, or None where the position is
+    unconstrained. A position with exactly one allowed token is *forced* (origin FORCED).
+    """
+
+    def allowed(self, history: Sequence[int]) -> Sequence[int] | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """One turn of generation: continue ``token_ids`` (the episode's whole history).
 
     ``episode_id`` and ``group_id`` let stateful engines keep and share KV across turns;
     stateless engines ignore them. ``cache_salt`` separates KV of different weights.
+    ``drafter`` (optional) turns on exact speculative decoding on engines that can verify;
+    others ignore it and decode plainly. ``constraint`` (optional) masks the policy.
     """
 
     request_id: str
@@ -90,6 +119,8 @@ class GenerateRequest:
     episode_id: str = ""
     group_id: str = ""
     cache_salt: str = ""
+    drafter: Drafter | None = field(default=None, compare=False)
+    constraint: Constraint | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

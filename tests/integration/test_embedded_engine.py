@@ -159,6 +159,38 @@ async def test_five_turns_prefill_only_new_tokens_and_eviction_recomputes_identi
     assert obs_tokens[0] == 0 and all(n > 0 for n in obs_tokens[1:])
 
 
+async def test_kv_of_a_diverging_history_is_cropped_not_reused(embedded: Bridge, reference: Any) -> None:
+    """An engine request whose ids diverge from the episode's cached ids reuses only the common prefix."""
+    from engines.types import GenerateRequest, SamplingParams
+
+    server, _ = embedded
+    engine = _engine(server)
+    prompt = _chat(server, "Tell me about the sea.")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def run(ids: list[int]) -> list[int]:
+        out: list[int] = []
+        async for chunk in engine.generate(GenerateRequest("r", tuple(ids), greedy, "diverge", "", "s@0")):
+            out.extend(chunk.token_ids)
+        return out
+
+    first = await run(prompt)
+    other = [*prompt[:-3], *engine.tokenizer.encode(" mountains")]  # shares all but the tail with the cache
+    before = engine.counters.cached_tokens
+    got = await run(other)
+    assert engine.counters.cached_tokens - before == len(prompt) - 3
+    with torch.inference_mode():
+        want = reference.generate(
+            torch.tensor([other]),
+            attention_mask=torch.ones(1, len(other), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=6,
+            eos_token_id=None,
+        )[0, len(other) :].tolist()
+    assert got == want and first != got
+    await engine.release("diverge")
+
+
 async def test_grpo_group_of_eight_prefills_the_prompt_once(embedded: Bridge) -> None:
     server, client = embedded
     engine = _engine(server)

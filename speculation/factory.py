@@ -1,0 +1,73 @@
+"""Per-turn drafters for the bridge: tool schemas (as sent in StartEpisode) -> compiled grammar -> drafter.
+
+``SpeculationFactory`` is built once per engine tokenizer; ``drafter(tool_schemas)`` returns a fresh drafter
+for one generation request (drafters keep per-request state) or None when speculation is off. Compiled
+grammars are cached by the schema strings (compiling once per env, not per turn).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from envhub.grammar import ToolGrammar
+from speculation.config import SpeculationConfig
+from speculation.drafters import SpeculativeDrafter
+from speculation.grammar import CompiledToolGrammar, ll_tokenizer
+
+
+def grammar_from_schemas(tool_schemas: Sequence[str], env_name: str = "") -> ToolGrammar | None:
+    """The grammar of tools given as JSON strings (OpenAI function entries or bare ``{name, parameters}``)."""
+    tools: list[tuple[str, dict[str, Any]]] = []
+    for text in tool_schemas:
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        fn = spec.get("function", spec) if isinstance(spec, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return None
+        params = fn.get("parameters") or {"type": "object"}
+        tools.append((fn["name"], params if isinstance(params, dict) else {"type": "object"}))
+    return ToolGrammar(env_name=env_name, tools=tuple(tools)) if tools else None
+
+
+class SpeculationFactory:
+    """Drafters for one engine's tokenizer (see module docstring)."""
+
+    def __init__(self, config: SpeculationConfig, hf_tokenizer: Any) -> None:
+        self.config = config
+        self._hf = hf_tokenizer
+        self._compiled: dict[tuple[str, ...], CompiledToolGrammar | None] = {}
+        self._lock = threading.Lock()
+
+    def compiled(self, tool_schemas: Sequence[str], grammar: ToolGrammar | None = None) -> CompiledToolGrammar | None:
+        key = tuple(tool_schemas) if grammar is None else (grammar.to_json(),)
+        with self._lock:
+            if key not in self._compiled:
+                g = grammar or grammar_from_schemas(tool_schemas)
+                try:
+                    self._compiled[key] = (
+                        CompiledToolGrammar(
+                            g,
+                            ll_tokenizer(self._hf),
+                            item_separator=self.config.item_separator,
+                            key_separator=self.config.key_separator,
+                        )
+                        if g is not None
+                        else None
+                    )
+                except ValueError:
+                    self._compiled[key] = None  # a schema llguidance cannot compile: n-gram drafts only
+            return self._compiled[key]
+
+    def drafter(
+        self, tool_schemas: Sequence[str] = (), grammar: ToolGrammar | None = None
+    ) -> SpeculativeDrafter | None:
+        """A drafter for one generation request, or None when speculation is disabled (or not draft-only)."""
+        if not self.config.enabled or self.config.mode != "draft-only":
+            return None
+        compiled = self.compiled(tool_schemas, grammar) if (tool_schemas or grammar is not None) else None
+        return SpeculativeDrafter(self.config, compiled)
