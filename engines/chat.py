@@ -51,6 +51,11 @@ class HFTokenizer:
         self._after_eos = self._close[len(eos_text) :] if eos_text and self._close.startswith(eos_text) else ""
 
     @property
+    def hf_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The wrapped transformers tokenizer (the speculation layer builds its grammar tokenizer from it)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 

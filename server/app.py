@@ -157,6 +157,7 @@ async def create_server(
         cache=settings.cache,
         routing=settings.routing,
         redis_url=settings.redis.url,
+        speculation=settings.speculation,
     )
     metrics.attach(bridge)
     limit = settings.server.max_message_bytes

@@ -55,6 +55,8 @@ from server.errors import (
     Unimplemented,
 )
 from server.persistence import EpisodeJournal, PersistenceUnavailable
+from speculation.config import SpeculationConfig
+from speculation.factory import SpeculationFactory
 
 log = logging.getLogger("primerl.server")
 MAX_POLICY_VERSION = 2**63 - 1
@@ -165,6 +167,7 @@ class Bridge:
         cache: CacheConfig | None = None,
         routing: RoutingConfig | None = None,
         redis_url: str = "",
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         if not engines:
             raise ValueError("a bridge needs at least one engine replica")
@@ -198,6 +201,10 @@ class Bridge:
         self._routes: dict[str, tuple[Decision, str]] = {}  # episode id -> its current turn's route and salt
         self._group_open: dict[str, int] = {}  # group key -> open members (to release the group's pin)
         self._inflight: dict[str, int] = {}  # tenant -> Steps running
+        # Speculation (off by default): a drafter per turn for episodes with tools; engines verify exactly.
+        self.speculation: SpeculationFactory | None = None
+        if speculation is not None and speculation.enabled:
+            self.speculation = SpeculationFactory(speculation, getattr(self.tokenizer, "hf_tokenizer", None))
         self._group_ids = itertools.count()
         self.metrics = metrics if metrics is not None else BridgeMetrics()
         self.envhub = envhub or EnvHubConfig()
@@ -471,6 +478,7 @@ class Bridge:
                 sampling=member,
                 metadata=dict(req.metadata),
                 shares_prompt=shared,
+                tool_schemas=tuple(req.tool_schemas),
             )
             episode.append_unsampled(prompt, Origin.PROMPT, version)
             episode.prompt_length = len(prompt)
@@ -672,6 +680,7 @@ class Bridge:
             group_id=self._group_key(episode.tenant, episode.group_id) if episode.shares_prompt else "",
             # Salted per tenant too: cached-token counts must not reveal another tenant's prompts.
             cache_salt=f"{episode.tenant}/{episode.model}@{turn.policy_version}",
+            drafter=self._drafter(episode),
         )
         route = self._routes.get(episode.id)
         matched = route[0].matched_tokens if route is not None and route[0].replica == episode.replica else 0
@@ -717,6 +726,16 @@ class Bridge:
             await stream.aclose()
             if route is not None and route[0].replica == replica:
                 await asyncio.shield(self._report(episode, turn, route))
+
+    def _drafter(self, episode: Episode) -> Any:
+        """A speculation drafter for the episode's next turn (None: plain decoding)."""
+        if self.speculation is None:
+            return None
+        session = self._envs.get(episode.id)
+        grammar = session.env.grammar if session is not None else None
+        if not episode.tool_schemas and grammar is None:
+            return None  # nothing to draft: speculation targets tool-call spans
+        return self.speculation.drafter(episode.tool_schemas, grammar)
 
     async def _report(self, episode: Episode, turn: Turn, route: tuple[Decision, str]) -> None:
         """Tell the routing index what the engine now holds (or, if the turn failed early, does not)."""

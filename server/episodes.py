@@ -59,6 +59,7 @@ class Episode:
     busy: bool = False
     # A GRPO group (or an explicit group id): engines may share the prompt's KV among its members.
     shares_prompt: bool = False
+    tool_schemas: tuple[str, ...] = ()  # JSON schemas of the episode's tools (speculation drafts calls to them)
     rev: int = 0  # revision of the persisted record this copy matches (server.persistence)
     persisted: bool = False
 

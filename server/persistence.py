@@ -100,6 +100,7 @@ def encode(episode: Episode, rev: int) -> bytes:
         "metadata": episode.metadata,
         "prompt_length": episode.prompt_length,
         "shares_prompt": episode.shares_prompt,
+        "tool_schemas": list(episode.tool_schemas),
         "turns": turns,
         **{name: _pack(getattr(episode, name), dtype) for name, dtype in _ARRAYS.items()},
     }
@@ -124,6 +125,7 @@ def decode(data: bytes) -> tuple[Episode, int]:
         metadata=r["metadata"],
         prompt_length=r["prompt_length"],
         shares_prompt=r["shares_prompt"],
+        tool_schemas=tuple(r.get("tool_schemas", ())),
         turns=[
             Turn(
                 index=t["index"],
