@@ -193,11 +193,13 @@ class Bridge:
                 self.index.set_capacity(r, cache.capacity_for(0))
         policy = routing if self.index is not None else routing.model_copy(update={"policy": "sticky"})
         self.policy = make_policy(policy, len(self.engines), self.index, self.fingerprinter)
-        self._board: Any = None
-        if self.index is not None and type(self.index).__name__ == "RedisIndex":
+        self._board: Any = None  # bridges sharing a Redis index also share their in-flight load
+        if self.index is not None and redis_url:
             from cache.loadboard import RedisLoadBoard
+            from cache.redis_index import RedisIndex
 
-            self._board = RedisLoadBoard(self.index, self.policy)  # type: ignore[arg-type]
+            if isinstance(self.index, RedisIndex):
+                self._board = RedisLoadBoard(self.index, self.policy)
         self._routes: dict[str, tuple[Decision, str]] = {}  # episode id -> its current turn's route and salt
         self._group_open: dict[str, int] = {}  # group key -> open members (to release the group's pin)
         self._inflight: dict[str, int] = {}  # tenant -> Steps running
