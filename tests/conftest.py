@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -11,6 +11,7 @@ import pytest
 from rl_client import AsyncBridgeClient
 from server.app import BridgeServer, create_server
 from server.config import load_settings
+from tests.integration.redis_proc import PrivateRedis
 
 StartBridge = Callable[..., Awaitable[tuple[BridgeServer, AsyncBridgeClient]]]
 
@@ -39,3 +40,12 @@ async def start_bridge() -> AsyncIterator[StartBridge]:
 async def bridge(start_bridge: StartBridge) -> tuple[BridgeServer, AsyncBridgeClient]:
     """A toy-engine bridge with default settings."""
     return await start_bridge()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[PrivateRedis]:
+    """A private redis-server on a free port (never the shared one), gone after the test."""
+    server = PrivateRedis()
+    server.start()
+    yield server
+    server.close()

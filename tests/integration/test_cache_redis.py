@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -20,14 +20,6 @@ FP = Fingerprinter(block_size=BS)
 SALT = salt_of("m", "", 1)
 # Generous budget: the test machine is shared; the 2 ms budget is measured by bench/cache_index.py.
 CFG = CacheConfig(block_size=BS, lookup_budget_ms=200, write_timeout_ms=500, backoff_s=0.2, near_cache_ttl_s=0)
-
-
-@pytest.fixture
-def redis_server() -> Iterator[PrivateRedis]:
-    server = PrivateRedis()
-    server.start()
-    yield server
-    server.close()
 
 
 @pytest.fixture(params=["script", "pipeline"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 
@@ -11,14 +10,6 @@ from engines.types import FinishReason, Origin, SamplingParams, Usage
 from server.episodes import Episode, Turn
 from server.persistence import EpisodeJournal, PersistenceConfig, PersistenceUnavailable, decode, encode
 from tests.integration.redis_proc import PrivateRedis
-
-
-@pytest.fixture
-def redis_server() -> Iterator[PrivateRedis]:
-    server = PrivateRedis()
-    server.start()
-    yield server
-    server.close()
 
 
 def _episode() -> Episode:

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,14 +19,6 @@ from tests.integration.redis_proc import PrivateRedis, free_port
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5]
 SAMPLING = {"max_tokens": 6, "ignore_eos": True, "seed": 5}
-
-
-@pytest.fixture
-def redis_server() -> Iterator[PrivateRedis]:
-    server = PrivateRedis()
-    server.start()
-    yield server
-    server.close()
 
 
 def _persist(redis: PrivateRedis, **extra: Any) -> dict[str, Any]:

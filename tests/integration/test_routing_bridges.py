@@ -9,23 +9,12 @@ UpdateWeights no turn is credited with KV computed under the old weights.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from tests.integration.redis_proc import PrivateRedis
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5] * 6
 SAMPLING = {"max_tokens": 8, "ignore_eos": True, "seed": 1}
-
-
-@pytest.fixture
-def redis_server() -> Iterator[PrivateRedis]:
-    server = PrivateRedis()
-    server.start()
-    yield server
-    server.close()
 
 
 def _shared(redis: PrivateRedis) -> dict[str, Any]:
