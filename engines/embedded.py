@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
@@ -46,6 +47,7 @@ import numpy as np
 
 from engines.chat import HFTokenizer
 from engines.config import EmbeddedConfig
+from engines.kvcache import cache_nbytes, fork, kv_tensors, new_cache
 from engines.sampling import raw_logprob, sample, verify
 from engines.types import (
     EngineCounters,
@@ -69,16 +71,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def _kv_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (keys, values), each [batch, kv_heads, tokens, head_dim]; full-attention layers only."""
-    layers: list[Any] = list(cache.layers)
-    return [(layer.keys, layer.values) for layer in layers]
-
-
-def _cache_nbytes(cache: DynamicCache) -> int:
-    return sum(int(k.nbytes + v.nbytes) for k, v in _kv_tensors(cache))
 
 
 def _common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
@@ -227,6 +219,7 @@ class EmbeddedEngine:
             eos_token_ids=loaded.tokenizer.eos_token_ids,
             supports_weight_updates=True,
             replica=replica,
+            supports_constraints=True,
         )
         self.counters = EngineCounters(extra={"kv_bytes": 0, "kv_evictions": 0, "deferred_decode_tokens": 0})
         self._version = 0
@@ -416,11 +409,12 @@ class EmbeddedEngine:
                 logits = seq.logits.double().numpy()
                 origin = Origin.SAMPLED
                 allowed = seq.request.constraint.allowed(seq.ids) if seq.request.constraint is not None else None
-                if allowed is not None and len(allowed) == 1:  # constrained mode: p~ = 1, no choice was made
-                    token, logprob, origin = int(allowed[0]), 0.0, Origin.FORCED
+                if allowed is not None and len(allowed) == 1:  # constrained mode: no choice was made
+                    token, logprob, origin = int(allowed[0]), math.nan, Origin.FORCED  # not sampled: NaN
                 elif allowed is not None:  # constrained mode: sample the masked, renormalised distribution
+                    idx = np.asarray(allowed, dtype=np.intp)
                     masked = np.full_like(logits, -np.inf)
-                    masked[list(allowed)] = logits[list(allowed)]
+                    masked[idx] = logits[idx]
                     token, logprob = sample(masked, seq.request.params, seq.rng)
                 else:
                     token, logprob = sample(logits, seq.request.params, seq.rng)
@@ -551,7 +545,7 @@ class EmbeddedEngine:
         if entry is None and req.group_id:
             shared = self._store.peek(("grp", req.group_id))
             if shared is not None and shared.salt == req.cache_salt and seq.ids[: len(shared.ids)] == list(shared.ids):
-                entry = _Parked(shared.ids, _fork(shared.cache), shared.logits, shared.salt, 0, shared.nbytes)
+                entry = _Parked(shared.ids, fork(shared.cache), shared.logits, shared.salt, 0, shared.nbytes)
                 self.counters.extra["group_forks"] = self.counters.extra.get("group_forks", 0) + 1
         if req.group_id and req.episode_id:
             with self._groups_lock:
@@ -592,7 +586,7 @@ class EmbeddedEngine:
             logits,
             seq.request.cache_salt,
             len(seq.ids) - seq.cached,
-            _cache_nbytes(cache),
+            cache_nbytes(cache),
         )
         self._store.put(("ep", seq.request.episode_id), entry)
 
@@ -600,13 +594,12 @@ class EmbeddedEngine:
 
     def _prefill(self, seq: _Seq) -> None:
         import torch
-        from transformers.cache_utils import DynamicCache
 
         if seq.in_batch:
             self._unpack()
         new = seq.ids[seq.cached :]
         if seq.cache is None:
-            seq.cache, seq.cached = DynamicCache(config=self.model.config), 0
+            seq.cache, seq.cached = new_cache(self.model.config), 0
             new = seq.ids
         if seq.produced:  # KV dropped mid-turn by a weight swap: recomputed under the new weights
             self.counters.extra["recomputed_tokens"] = self.counters.extra.get("recomputed_tokens", 0) + len(new)
@@ -616,8 +609,8 @@ class EmbeddedEngine:
         self.counters.forward_passes += 1
         req = seq.request
         if seq.share_prompt and ("grp", req.group_id) not in self._store:
-            prompt = _Parked(tuple(seq.ids), _fork(seq.cache), seq.logits, req.cache_salt, 0, 0)
-            prompt.nbytes = _cache_nbytes(prompt.cache)
+            prompt = _Parked(tuple(seq.ids), fork(seq.cache), seq.logits, req.cache_salt, 0, 0)
+            prompt.nbytes = cache_nbytes(prompt.cache)
             self._store.put(("grp", req.group_id), prompt)
 
     def _decode(self, seqs: list[_Seq]) -> None:
@@ -654,7 +647,6 @@ class EmbeddedEngine:
     def _pack(self, seqs: list[_Seq]) -> None:
         """Left-pad the sequences' KV into one batched cache."""
         import torch
-        from transformers.cache_utils import DynamicCache
 
         width = max(s.cached for s in seqs)
         pads = [width - s.cached for s in seqs]
@@ -662,7 +654,7 @@ class EmbeddedEngine:
         per_seq = []
         for seq in seqs:
             assert seq.cache is not None
-            per_seq.append(_kv_tensors(seq.cache))
+            per_seq.append(kv_tensors(seq.cache))
         for li, (k0, v0) in enumerate(per_seq[0]):
             _, heads, _, dim = k0.shape
             keys = k0.new_zeros(len(seqs), heads, width, dim)
@@ -676,24 +668,18 @@ class EmbeddedEngine:
             mask[row, :pad] = 0
         for seq in seqs:
             seq.cache, seq.in_batch = None, True
-        self._batch = _Batch(list(seqs), DynamicCache(ddp_cache_data=layers), mask, pads)
+        self._batch = _Batch(list(seqs), new_cache(data=layers), mask, pads)
 
     def _unpack(self) -> None:
         """Split the batched cache back into per-sequence caches (copies, so the batch memory is freed)."""
-        from transformers.cache_utils import DynamicCache
-
         batch, self._batch = self._batch, None
         if batch is None:
             return
         width = batch.mask.shape[1]
-        kv = _kv_tensors(batch.cache)
+        kv = kv_tensors(batch.cache)
         for row, seq in enumerate(batch.rows):
             start = width - seq.cached
-            seq.cache = DynamicCache(
-                ddp_cache_data=[
-                    (k[row : row + 1, :, start:].clone(), v[row : row + 1, :, start:].clone()) for k, v in kv
-                ]
-            )
+            seq.cache = new_cache(data=[(k[row : row + 1, :, start:], v[row : row + 1, :, start:]) for k, v in kv])
             seq.in_batch = False
 
     # -- weights ------------------------------------------------------------------------------------
@@ -745,12 +731,6 @@ class EmbeddedEngine:
             for seq in self._active:  # in flight: recompute under the new weights at the next step
                 seq.cache, seq.cached, seq.logits, seq.deferred = None, 0, None, 0
         log.info("embedded engine %s now serves policy version %d", self.info.replica, self._version)
-
-
-def _fork(cache: DynamicCache) -> DynamicCache:
-    from transformers.cache_utils import DynamicCache
-
-    return DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in _kv_tensors(cache)])
 
 
 __all__ = ["DEFAULT_MODEL_NAME", "EmbeddedEngine", "load_model"]

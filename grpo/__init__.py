@@ -11,3 +11,8 @@ tasks.py       the arithmetic-via-calculator task (environment, rater)
 
 The reference trainers are examples/grpo_train.py (`make run`) and examples/ppo_train.py.
 """
+
+import os
+
+# Passive OpenMP waits before torch loads (see engines/__init__.py: spinning teams collapse on busy cores).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
