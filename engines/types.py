@@ -157,6 +157,9 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     supports_weight_updates: bool
     replica: str = "local"
+    # Honours ``GenerateRequest.constraint`` (grammar-masked decoding). Engines that do not would silently
+    # decode unconstrained, so the bridge refuses constrained speculation on them.
+    supports_constraints: bool = False
 
 
 @dataclass(frozen=True, slots=True)

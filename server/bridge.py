@@ -56,7 +56,7 @@ from server.errors import (
 )
 from server.persistence import EpisodeJournal, PersistenceUnavailable
 from speculation.config import SpeculationConfig
-from speculation.factory import SpeculationFactory
+from speculation.factory import SpeculationFactory, record_masked_positions
 
 log = logging.getLogger("primerl.server")
 MAX_POLICY_VERSION = 2**63 - 1
@@ -206,6 +206,12 @@ class Bridge:
         # Speculation (off by default): a drafter per turn for episodes with tools; engines verify exactly.
         self.speculation: SpeculationFactory | None = None
         if speculation is not None and speculation.enabled:
+            unable = [e.info.replica for e in self.engines if not e.info.supports_constraints]
+            if speculation.mode == "constrained" and unable:  # they would silently decode unconstrained
+                raise InvalidArgument(
+                    f"speculation.mode 'constrained' needs an engine that decodes under a grammar mask "
+                    f"(embedded); replicas {unable} ({self.info.engine}) cannot: use mode 'draft-only'"
+                )
             self.speculation = SpeculationFactory(speculation, getattr(self.tokenizer, "hf_tokenizer", None))
         self._group_ids = itertools.count()
         self.metrics = metrics if metrics is not None else BridgeMetrics()
@@ -683,6 +689,7 @@ class Bridge:
             # Salted per tenant too: cached-token counts must not reveal another tenant's prompts.
             cache_salt=f"{episode.tenant}/{episode.model}@{turn.policy_version}",
             drafter=self._drafter(episode),
+            constraint=self._constraint(episode),
         )
         route = self._routes.get(episode.id)
         matched = route[0].matched_tokens if route is not None and route[0].replica == episode.replica else 0
@@ -709,6 +716,8 @@ class Bridge:
                         yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled(), None, raw)
                     else:
                         self._close(turn, chunk.finish_reason, chunk.usage)
+                        if request.constraint is not None:  # the mask replay handle, before the last update
+                            record_masked_positions(episode.metadata, request.constraint, len(episode.token_ids))
                         yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled(), turn, raw)
                         return
             raise EngineError(f"engine {engine.info.replica!r} ended the stream without a finish reason")
@@ -722,6 +731,8 @@ class Bridge:
             ) from None
         finally:
             self.policy.on_end(replica, load)
+            if request.constraint is not None:  # (again on the normal path: the merge is idempotent)
+                record_masked_positions(episode.metadata, request.constraint, len(episode.token_ids))
             if turn.finish_reason is None:  # cancelled, timed out or failed: keep what we have
                 self._close(turn, FinishReason.ABORT, last.usage if last else None)
                 await asyncio.shield(engine.abort(request.request_id))
@@ -729,15 +740,25 @@ class Bridge:
             if route is not None and route[0].replica == replica:
                 await asyncio.shield(self._report(episode, turn, route))
 
+    def _tool_grammar(self, episode: Episode) -> tuple[bool, Any]:
+        """(has tools, the env's grammar or None): speculation targets tool-call spans only."""
+        session = self._envs.get(episode.id)
+        grammar = session.env.grammar if session is not None else None
+        return bool(episode.tool_schemas) or grammar is not None, grammar
+
     def _drafter(self, episode: Episode) -> Any:
         """A speculation drafter for the episode's next turn (None: plain decoding)."""
         if self.speculation is None:
             return None
-        session = self._envs.get(episode.id)
-        grammar = session.env.grammar if session is not None else None
-        if not episode.tool_schemas and grammar is None:
-            return None  # nothing to draft: speculation targets tool-call spans
-        return self.speculation.drafter(episode.tool_schemas, grammar)
+        tools, grammar = self._tool_grammar(episode)
+        return self.speculation.drafter(episode.tool_schemas, grammar) if tools else None
+
+    def _constraint(self, episode: Episode) -> Any:
+        """Constrained mode: the grammar mask for the episode's next turn (None: unconstrained)."""
+        if self.speculation is None:
+            return None
+        tools, grammar = self._tool_grammar(episode)
+        return self.speculation.constraint(episode.tool_schemas, grammar) if tools else None
 
     async def _report(self, episode: Episode, turn: Turn, route: tuple[Decision, str]) -> None:
         """Tell the routing index what the engine now holds (or, if the turn failed early, does not)."""

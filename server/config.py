@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from cache.config import CacheConfig
@@ -122,6 +122,16 @@ class Settings(BaseSettings):
     speculation: SpeculationConfig = Field(
         default_factory=SpeculationConfig, description="Grammar-aware speculative decoding of tool calls."
     )
+
+    @model_validator(mode="after")
+    def _constrained_needs_a_masking_engine(self) -> Settings:
+        # Only the embedded engine samples under a grammar mask; the others would decode unconstrained.
+        if self.speculation.enabled and self.speculation.mode == "constrained" and self.engine.type != "embedded":
+            raise ValueError(
+                f"speculation.mode 'constrained' needs engine.type 'embedded' (the only engine that decodes "
+                f"under a grammar mask); engine {self.engine.type!r} supports speculation.mode 'draft-only'"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -1,7 +1,8 @@
 """Per-turn drafters for the bridge: tool schemas (as sent in StartEpisode) -> compiled grammar -> drafter.
 
 ``SpeculationFactory`` is built once per engine tokenizer; ``drafter(tool_schemas)`` returns a fresh drafter
-for one generation request (drafters keep per-request state) or None when speculation is off. Compiled
+for one generation request (drafters keep per-request state) or None when speculation is off or constrained;
+``constraint(tool_schemas)`` returns a fresh ``GrammarConstraint`` in constrained mode (else None). Compiled
 grammars are cached by the schema strings (compiling once per env, not per turn).
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from envhub.grammar import ToolGrammar
 from speculation.config import SpeculationConfig
+from speculation.constraint import GrammarConstraint
 from speculation.drafters import SpeculativeDrafter
 from speculation.grammar import CompiledToolGrammar, ll_tokenizer
 
@@ -32,6 +34,31 @@ def grammar_from_schemas(tool_schemas: Sequence[str], env_name: str = "") -> Too
         params = fn.get("parameters") or {"type": "object"}
         tools.append((fn["name"], params if isinstance(params, dict) else {"type": "object"}))
     return ToolGrammar(env_name=env_name, tools=tuple(tools)) if tools else None
+
+
+MASKED_POSITIONS_KEY = "speculation.masked_positions"
+
+
+def record_masked_positions(metadata: dict[str, str], constraint: Any, length: int) -> None:
+    """Merge a turn's masked positions into the episode metadata (the trajectory's mask replay handle).
+
+    ``metadata[MASKED_POSITIONS_KEY]`` is a JSON object ``{"position": allowed_count}`` over the episode's
+    token ids (``length`` of them: a position the engine masked but whose token never arrived is left out):
+    every generated position decoded under the grammar mask, with the number of tokens the mask allowed
+    (1: forced, origin FORCED). Idempotent (a turn may be recorded twice); a client value under the key
+    that is not such an object is replaced.
+    """
+    steps: dict[int, int] = dict(getattr(constraint, "steps", {}))  # one C-level copy: the engine may still write
+    if not steps:
+        return
+    try:
+        merged = json.loads(metadata.get(MASKED_POSITIONS_KEY, "{}"))
+    except json.JSONDecodeError:
+        merged = None
+    if not isinstance(merged, dict):
+        merged = {}
+    merged.update({str(pos): count for pos, count in sorted(steps.items()) if pos < length})
+    metadata[MASKED_POSITIONS_KEY] = json.dumps(merged, separators=(",", ":"))
 
 
 class SpeculationFactory:
@@ -71,3 +98,15 @@ class SpeculationFactory:
             return None
         compiled = self.compiled(tool_schemas, grammar) if (tool_schemas or grammar is not None) else None
         return SpeculativeDrafter(self.config, compiled)
+
+    def constraint(
+        self, tool_schemas: Sequence[str] = (), grammar: ToolGrammar | None = None
+    ) -> GrammarConstraint | None:
+        """A grammar mask for one generation request in constrained mode, else None.
+
+        None too when there are no tools or their grammar does not compile (the turn decodes plainly).
+        """
+        if not self.config.enabled or self.config.mode != "constrained":
+            return None
+        compiled = self.compiled(tool_schemas, grammar) if (tool_schemas or grammar is not None) else None
+        return GrammarConstraint(compiled) if compiled is not None else None

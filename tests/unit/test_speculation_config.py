@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -39,3 +40,39 @@ def test_factory_returns_no_drafter_when_disabled_or_constrained() -> None:
     drafter = SpeculationFactory(SpeculationConfig(enabled=True), None).drafter()
     assert drafter is not None and drafter.tracker is None  # no tools: n-gram drafts only
     assert drafter.draft([1, 2, 3, 1, 2], 4) == (3, 1, 2)
+
+
+def test_constrained_mode_is_refused_on_engines_that_cannot_mask() -> None:
+    """Only the embedded engine decodes under a grammar mask: the others would silently ignore it."""
+    from engines.config import ToyConfig
+    from engines.toy import ToyEngine
+    from server.bridge import Bridge
+    from server.config import AdmissionConfig, SamplingDefaults
+    from server.errors import InvalidArgument
+
+    constrained: dict[str, Any] = {"enabled": True, "mode": "constrained"}
+    for engine in ("toy", "vllm", "sglang", "trtllm"):
+        with pytest.raises(ValidationError, match=r"needs engine\.type 'embedded'"):
+            load_settings(engine={"type": engine}, speculation=constrained)
+    assert load_settings(engine={"type": "embedded"}, speculation=constrained).speculation.mode == "constrained"
+    assert load_settings(engine={"type": "vllm"}, speculation={"enabled": True}).speculation.mode == "draft-only"
+    # Engines handed to the bridge directly: refused by capability (EngineInfo.supports_constraints).
+    toy = ToyEngine(ToyConfig())
+    assert not toy.info.supports_constraints
+    with pytest.raises(InvalidArgument, match="cannot: use mode 'draft-only'"):
+        Bridge([toy], AdmissionConfig(), SamplingDefaults(), speculation=SpeculationConfig(**constrained))
+    assert Bridge([toy], AdmissionConfig(), SamplingDefaults(), speculation=SpeculationConfig(enabled=True)).speculation
+
+
+def test_masked_positions_merge_per_turn_and_ignore_tokens_that_never_arrived() -> None:
+    from types import SimpleNamespace
+
+    from speculation.factory import MASKED_POSITIONS_KEY, record_masked_positions
+
+    metadata = {MASKED_POSITIONS_KEY: "not json", "run": "a"}  # a client's value under the key is replaced
+    record_masked_positions(metadata, SimpleNamespace(steps={12: 1, 10: 40}), length=13)
+    record_masked_positions(metadata, SimpleNamespace(steps={12: 1, 10: 40}), length=13)  # idempotent
+    record_masked_positions(metadata, SimpleNamespace(steps={30: 5, 31: 1}), length=31)  # 31 never arrived
+    assert json.loads(metadata[MASKED_POSITIONS_KEY]) == {"10": 40, "12": 1, "30": 5} and metadata["run"] == "a"
+    record_masked_positions(metadata, SimpleNamespace(steps={}), length=40)
+    assert json.loads(metadata[MASKED_POSITIONS_KEY]) == {"10": 40, "12": 1, "30": 5}
