@@ -33,6 +33,8 @@ Invariants
   stream, so keep-alive comments cannot extend it); an ``abort`` that arrives before the
   response headers closes the stream as soon as it opens.
 * Replica labels (in every error and log line) never carry URL userinfo, query or fragment.
+* A turn with a drafter goes to ``generate_speculative`` when the adapter ``speculates`` on it (vLLM,
+  greedy turns); it runs inside the same admission, deadline, abort and error mapping as a plain turn.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import json
 import logging
 import re
 import urllib.parse
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -74,6 +76,8 @@ from server.errors import (
 )
 
 log = logging.getLogger("primerl.engines")
+# What a dropped or silent engine stream raises while we read it (see RemoteEngine._raise_stream_failure).
+STREAM_FAILURES = (httpx.StreamError, httpx.ReadError, httpx.RemoteProtocolError, httpx.TimeoutException)
 
 _OOV = re.compile(r"out of vocabulary|out-of-vocabulary|outside the vocabulary|invalid token id", re.IGNORECASE)
 _TOO_LONG = re.compile(r"context length|maximum model length|max_model_len|too long|exceeds", re.IGNORECASE)
@@ -263,6 +267,51 @@ class RemoteEngine:
             raise self.wire.fail("data[0].id", f"is {name!r}, expected the served model name")
         max_len = first.get("max_model_len")
         return name, max_len if isinstance(max_len, int) and max_len > 0 else 0
+
+    def speculates(self, request: GenerateRequest) -> bool:
+        """Whether ``generate_speculative`` serves this turn (``request.drafter`` is set); default: never."""
+        return False
+
+    def generate_speculative(
+        self, request: GenerateRequest, state: StreamState, version: int, deadline: float
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """Exact draft/verify decoding of one admitted turn (adapters that return True from ``speculates``)."""
+        raise NotImplementedError
+
+    async def read_deltas(
+        self, response: httpx.Response, deadline: float, state: StreamState, produced: Callable[[], int]
+    ) -> AsyncGenerator[Delta, None]:
+        """The parsed events of one token stream up to ``[DONE]``; engine errors and dropped or silent streams
+        raise (``produced()``: tokens so far, for the message), except after an abort we asked for."""
+        events = iter_sse(response)
+        try:
+            while True:
+                async with asyncio.timeout_at(deadline):  # not held across the yield (it would cancel the consumer)
+                    text = await anext(events, None)
+                if text is None or text.strip() == "[DONE]":
+                    return
+                data = self.wire.loads(text, "stream event")
+                if isinstance(data, dict) and data.get("error"):
+                    raise self.stream_error(data["error"], produced())
+                delta = self.parse_event(data, state)
+                if delta is not None:
+                    yield delta
+        except STREAM_FAILURES as exc:
+            self._raise_stream_failure(exc, state, produced())
+        finally:
+            await events.aclose()
+
+    def _raise_stream_failure(self, exc: BaseException, state: StreamState, produced: int) -> None:
+        """Map a broken or silent token stream to our errors (an abort we asked for is not a failure)."""
+        if isinstance(exc, httpx.TimeoutException):
+            raise DeadlineExceeded(
+                f"{self.label} sent nothing for {self._stream_timeout.read} s "
+                f"(engine.request_timeout_s) after {produced} tokens"
+            ) from None
+        if not state.aborted:
+            raise EngineUnavailable(
+                f"{self.label} dropped the stream after {produced} tokens: {exc or type(exc).__name__}"
+            ) from None
 
     async def send_abort(self, state: StreamState) -> None:
         """Engine-specific abort; the default is to drop the connection (vLLM, TRT-LLM)."""
@@ -497,25 +546,19 @@ class RemoteEngine:
             # comments are read inside iter_sse) but not the consumer's time between chunks:
             # an asyncio.timeout held across a yield would cancel the consumer's code instead.
             deadline = asyncio.get_running_loop().time() + self._request_timeout_s
+            if request.drafter is not None and self.speculates(request):  # draft/verify (vllm)
+                async with contextlib.aclosing(self.generate_speculative(request, state, version, deadline)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                return
             async with self._open_stream(payload, deadline) as response:
                 state.response = response
                 if state.aborted:  # abort() came before the headers: stop the engine now
                     with contextlib.suppress(PrimeRLError):
                         await self.send_abort(state)
                     await response.aclose()
-                events = iter_sse(response)
-                try:
-                    while True:
-                        async with asyncio.timeout_at(deadline):
-                            text = await anext(events, None)
-                        if text is None or text.strip() == "[DONE]":
-                            break
-                        data = self.wire.loads(text, "stream event")
-                        if isinstance(data, dict) and data.get("error"):
-                            raise self.stream_error(data["error"], produced)
-                        delta = self.parse_event(data, state)
-                        if delta is None:
-                            continue
+                async with contextlib.aclosing(self.read_deltas(response, deadline, state, lambda: produced)) as deltas:
+                    async for delta in deltas:
                         produced += len(delta.token_ids)
                         usage = delta.usage if delta.usage is not None else usage
                         if finish is None and delta.finish is None:
@@ -526,18 +569,6 @@ class RemoteEngine:
                         tail.logprobs += delta.logprobs
                         finish = delta.finish if delta.finish is not None else finish
                         # read on to [DONE]: the usage may follow, and the connection can be reused
-                except (httpx.StreamError, httpx.ReadError, httpx.RemoteProtocolError) as exc:
-                    if not state.aborted:
-                        raise EngineUnavailable(
-                            f"{self.label} dropped the stream after {produced} tokens: {exc or type(exc).__name__}"
-                        ) from None
-                except httpx.TimeoutException:
-                    raise DeadlineExceeded(
-                        f"{self.label} sent nothing for {self._stream_timeout.read} s "
-                        f"(engine.request_timeout_s) after {produced} tokens"
-                    ) from None
-                finally:
-                    await events.aclose()
             if state.aborted:
                 finish = FinishReason.ABORT
             elif finish is None:

@@ -17,21 +17,65 @@ Invariants
 * A weight directory is checked locally before vLLM is asked to load it (a bad path kills
   the vLLM server); the reload itself is the dev-mode ``/collective_rpc reload_weights``.
 * Abort = dropping the connection (vLLM aborts a request whose client went away).
+
+Speculation (``GenerateRequest.drafter``, greedy turns only)
+-------------------------------------------------------------
+A greedy turn with a drafter alternates two kinds of request, every token still vLLM's own:
+
+* **verify**: ``prompt = history + draft``, ``max_tokens = 1``, ``prompt_logprobs = 1``, not
+  streamed (vLLM refuses prompt logprobs on a stream). Prompt logprob ``i`` of the draft holds the
+  drafted token's rank and the argmax: the longest prefix of rank-1 draft tokens is accepted
+  (``DRAFT_ACCEPTED``, with vLLM's prompt logprob), the first rejected position yields the argmax
+  (``RESAMPLED``), and a fully accepted draft yields the generated (bonus) token (``SAMPLED``). One
+  request = one engine forward for up to ``len(draft) + 1`` tokens. Prompt logprobs are the
+  log-softmax of the raw logits, which is what vLLM reports for a greedy token, so the logprobs
+  match plain decoding up to float rounding (prefill vs decode kernels).
+* **plain**: a streamed continuation (prefix cache used); after every chunk the drafter is asked
+  again and, once it has a draft, the stream is dropped (vLLM aborts it) and the draft verified.
+
+Stop ids, EOS (unless ``ignore_eos``) and ``max_tokens`` are applied here to every emitted token
+(accepted draft tokens never pass vLLM's stop checks: they are prompt tokens). Cost: vLLM skips
+*reading* the prefix cache for any request with prompt logprobs (``SamplingParams.
+skip_reading_prefix_cache``, 0.32), so each verify re-prefills the whole history; speculation on
+vLLM pays off only when drafts are long relative to that prefill. Sampled turns (temperature > 0)
+decode plainly: exact rejection sampling needs p(draft token) under the processed (temperature,
+top-k/p) distribution, and prompt logprobs are raw.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import re
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import httpx
+
 from engines.config import VllmConfig
 from engines.http_base import Delta, RemoteEngine, StreamState
-from engines.types import FinishReason, GenerateRequest, Usage, WeightUpdate
+from engines.types import (
+    FinishReason,
+    GenerateRequest,
+    Origin,
+    TokenChunk,
+    Usage,
+    WeightUpdate,
+    check_token_ids,
+)
 from engines.wire import finish_from_openai
-from server.errors import Aborted, InvalidArgument, PrimeRLError, Unimplemented
+from server.errors import (
+    Aborted,
+    DeadlineExceeded,
+    EngineProtocolError,
+    EngineUnavailable,
+    InvalidArgument,
+    PrimeRLError,
+    Unimplemented,
+)
 
 _SAFE_SALT = re.compile(r"[A-Za-z0-9._:+-]+")
 PREFIX_CACHE_METRICS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
@@ -157,6 +201,220 @@ class VllmEngine(RemoteEngine):
             cached_tokens=cached,
             generated_tokens=w.optional_int(u.get("completion_tokens"), "usage.completion_tokens"),
         )
+
+    # -- speculation (module docstring) ---------------------------------------------------------
+
+    def speculates(self, request: GenerateRequest) -> bool:
+        """Greedy turns with a drafter and no constraint that fit the context window (else vLLM's own error)."""
+        p = request.params
+        return (
+            self.config.verify_drafts
+            and request.drafter is not None
+            and request.constraint is None
+            and p.temperature == 0
+            and len(request.token_ids) + p.max_tokens <= self.info.max_model_len
+        )
+
+    async def generate_speculative(
+        self, request: GenerateRequest, state: StreamState, version: int, deadline: float
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """One greedy turn as verify requests and plain streamed stretches (module docstring)."""
+        drafter = request.drafter
+        assert drafter is not None
+        p = request.params
+        salt = self._salt(request, version)
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.info.eos_token_ids))
+        history = list(request.token_ids)
+        extra = self.counters.extra
+        produced = 0
+        cached = -1  # cached prompt tokens, as reported for the turn's first request
+        finish: FinishReason | None = None
+        tail = TokenChunk((), (), version)  # the tokens that came with the finish
+        draft: tuple[int, ...] = ()
+        step = 0
+
+        def bump(key: str, n: int = 1) -> None:
+            extra[key] = extra.get(key, 0) + n
+
+        def take(
+            ids: list[int], logprobs: list[float], origins: list[Origin], engine_finish: FinishReason | None
+        ) -> TokenChunk:
+            """Append emitted tokens up to a stop id or ``max_tokens``; return a chunk of those kept."""
+            nonlocal produced, finish, tail
+            kept = 0
+            for tok in ids:
+                kept += 1
+                history.append(tok)
+                produced += 1
+                if tok in stops:
+                    finish = FinishReason.STOP
+                elif produced >= p.max_tokens:
+                    finish = FinishReason.LENGTH
+                if finish is not None:
+                    break
+            if finish is None and engine_finish is not None and kept == len(ids):
+                finish = engine_finish  # a stop vLLM applies that this adapter does not know of
+            shown = tuple(origins[:kept]) if any(o != Origin.SAMPLED for o in origins[:kept]) else ()
+            chunk = TokenChunk(tuple(ids[:kept]), tuple(logprobs[:kept]), version, shown)
+            if finish is not None:
+                tail = chunk
+            return chunk
+
+        def budget() -> int:  # longest useful draft: the last token of the turn is always the model's
+            return p.max_tokens - produced - 1
+
+        try:
+            while finish is None and not state.aborted:
+                if not draft:
+                    draft = tuple(drafter.draft(history, budget()))[: max(budget(), 0)]
+                step += 1
+                if draft:
+                    check_token_ids(draft, self.info.vocab_size, "draft")
+                    bump("spec_requests")
+                    verified = await self._verify(request, history, draft, salt, step, state, deadline)
+                    if verified is None:  # aborted while in flight
+                        break
+                    ids, lps, origins, engine_finish, got_cached = verified
+                    cached = got_cached if cached < 0 else cached
+                    accepted = origins.count(Origin.DRAFT_ACCEPTED)
+                    drafter.feedback(len(draft), accepted)
+                    bump("spec_forwards")
+                    bump("spec_drafted", len(draft))
+                    bump("spec_accepted", accepted)
+                    draft = ()
+                    chunk = take(ids, lps, origins, engine_finish)
+                    if finish is None and chunk.token_ids:
+                        yield chunk
+                    continue
+                # A plain streamed stretch, dropped as soon as the drafter has a draft again.
+                sub = GenerateRequest(
+                    f"{request.request_id}-p{step}", tuple(history), dataclasses.replace(p, max_tokens=budget() + 1)
+                )
+                bump("spec_requests")
+                bump("spec_plain_requests")
+                async with self._open_stream(self.build_payload(sub, salt), deadline) as response:
+                    state.response = response
+                    try:
+                        async with contextlib.aclosing(
+                            self.read_deltas(response, deadline, state, lambda: produced)
+                        ) as deltas:
+                            async for delta in deltas:
+                                if delta.usage is not None and cached < 0:
+                                    cached = delta.usage.cached_tokens
+                                n = len(delta.token_ids)
+                                chunk = take(delta.token_ids, delta.logprobs, [Origin.SAMPLED] * n, delta.finish)
+                                if finish is None and chunk.token_ids:
+                                    yield chunk
+                                    draft = tuple(drafter.draft(history, budget()))[: max(budget(), 0)]
+                                if finish is not None or draft or state.aborted:
+                                    break
+                    finally:
+                        state.response = None  # leaving the block closes it: vLLM aborts the rest
+                if finish is None and not draft and not state.aborted:
+                    raise EngineProtocolError(f"{self.label} ended the stream without a finish reason")
+        finally:
+            state.response = None
+        if finish is None:  # aborted
+            finish, tail = FinishReason.ABORT, TokenChunk((), (), version)
+        usage = Usage(prompt_tokens=len(request.token_ids), cached_tokens=max(cached, 0), generated_tokens=produced)
+        self._count(usage)
+        yield dataclasses.replace(tail, finish_reason=finish, usage=usage)
+
+    async def _verify(
+        self,
+        request: GenerateRequest,
+        history: list[int],
+        draft: tuple[int, ...],
+        salt: str,
+        step: int,
+        state: StreamState,
+        deadline: float,
+    ) -> tuple[list[int], list[float], list[Origin], FinishReason | None, int] | None:
+        """Score ``draft`` after ``history`` in one request.
+
+        Returns (ids, logprobs, origins, finish, cached tokens), or None when the turn was aborted meanwhile.
+        """
+        w = self.wire
+        sub = GenerateRequest(
+            f"{request.request_id}-v{step}", (*history, *draft), dataclasses.replace(request.params, max_tokens=1)
+        )
+        payload = self.build_payload(sub, salt)
+        payload["stream"] = False
+        payload.pop("stream_options", None)
+        payload["prompt_logprobs"] = 1  # the drafted token (with its rank) and the argmax, at every position
+        async with self._open_stream(payload, deadline) as response:
+            state.response = response
+            try:
+                async with asyncio.timeout_at(deadline):
+                    text = (await response.aread()).decode("utf-8", "replace")
+            except (httpx.StreamError, httpx.ReadError, httpx.RemoteProtocolError) as exc:
+                if state.aborted:
+                    return None
+                raise EngineUnavailable(f"{self.label} dropped a verify request: {exc or type(exc).__name__}") from None
+            except httpx.TimeoutException:
+                raise DeadlineExceeded(f"{self.label} did not answer a verify request in time") from None
+            finally:
+                state.response = None
+        if state.aborted:
+            return None
+        body = w.obj(w.loads(text, "verify response"), "verify response")
+        choices = w.list_(body.get("choices"), "choices")
+        if len(choices) != 1:
+            raise w.fail("choices", f"has {len(choices)} entries for a request with n=1")
+        choice = w.obj(choices[0], "choices[0]")
+        bonus = self._token_ids(choice)
+        bonus_lp = w.logprobs(
+            w.obj(choice.get("logprobs"), "choices[0].logprobs").get("token_logprobs"),
+            "choices[0].logprobs.token_logprobs",
+        )
+        if len(bonus) != 1 or len(bonus_lp) != 1:
+            raise w.fail("choices[0].token_ids", f"has {len(bonus)} tokens and {len(bonus_lp)} logprobs, expected 1")
+        finish = finish_from_openai(choice.get("finish_reason"), w, "choices[0].finish_reason")
+        if finish == FinishReason.ABORT:
+            raise Aborted(f"{self.label} aborted the request (finish_reason 'abort'; paused or shutting down?)")
+        scored = w.list_(choice.get("prompt_logprobs"), "choices[0].prompt_logprobs")
+        if len(scored) != len(history) + len(draft):
+            raise w.fail(
+                "choices[0].prompt_logprobs", f"has {len(scored)} entries for {len(history) + len(draft)} prompt tokens"
+            )
+        emitted: list[tuple[int, float, Origin]] = []
+        for i, x in enumerate(draft):
+            where = f"choices[0].prompt_logprobs[{len(history) + i}]"
+            top, top_lp, x_lp = self._argmax(w.obj(scored[len(history) + i], where), x, where)
+            if top != x:  # the first rejection: the model's own (argmax) token ends the step
+                emitted.append((top, top_lp, Origin.RESAMPLED))
+                break
+            emitted.append((x, x_lp, Origin.DRAFT_ACCEPTED))
+        else:  # the whole draft accepted: the generated token is the bonus
+            emitted.append((bonus[0], bonus_lp[0], Origin.SAMPLED))
+        stopped = finish if finish == FinishReason.STOP and emitted[-1][2] == Origin.SAMPLED else None
+        ids, lps, origins = (list(col) for col in zip(*emitted, strict=True))
+        return ids, lps, origins, stopped, self._cached(body)
+
+    def _argmax(self, entry: dict[str, Any], drafted: int, where: str) -> tuple[int, float, float]:
+        """(greedy token, its logprob, the drafted token's logprob) from one prompt-logprob entry."""
+        w = self.wire
+        best: tuple[int, float] | None = None
+        drafted_lp: float | None = None
+        for key, value in entry.items():
+            if not key.lstrip("-").isdigit():
+                raise w.fail(where, f"has key {key!r}, expected a token id")
+            tok = int(key)
+            v = w.obj(value, f"{where}[{key}]")
+            lp = w.logprob(v.get("logprob"), f"{where}[{key}].logprob")
+            if tok == drafted:
+                drafted_lp = lp
+            if w.int_(v.get("rank"), f"{where}[{key}].rank") == 1 and (
+                best is None or lp > best[1] or (lp == best[1] and tok < best[0])  # torch.argmax: lowest id
+            ):
+                best = (tok, lp)
+        if best is None or drafted_lp is None:
+            raise w.fail(where, f"lacks the rank-1 token or the drafted token {drafted}")
+        return best[0], best[1], drafted_lp
+
+    def _cached(self, body: dict[str, Any]) -> int:
+        usage = self._usage(body.get("usage"))
+        return usage.cached_tokens if usage is not None else 0
 
     async def update_weights(self, update: WeightUpdate) -> None:
         """Reload weights from a directory through vLLM's dev-mode ``/collective_rpc``."""

@@ -12,9 +12,11 @@ import json
 import math
 import shutil
 import statistics
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,7 +25,7 @@ from engines import make_engines
 from engines.config import EngineConfig
 from engines.launch import VllmProcess, provision_vllm
 from engines.model_store import ensure_converted
-from engines.types import FinishReason, GenerateRequest, Message, SamplingParams, TokenChunk, WeightUpdate
+from engines.types import FinishReason, GenerateRequest, Message, Origin, SamplingParams, TokenChunk, WeightUpdate
 from engines.vllm import VllmEngine
 from server.errors import Aborted, InvalidArgument, TokenOutOfVocabulary
 from tests.integration.engine_script import bridge_over, run_episode_script
@@ -57,8 +59,9 @@ def vllm_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         server.stop()
 
 
-async def vllm_engine(url: str) -> VllmEngine:
-    (engine,) = await make_engines(EngineConfig(type="vllm", urls=[url], model="smollm2"))
+async def vllm_engine(url: str, verify_drafts: bool = False) -> VllmEngine:
+    config = EngineConfig(type="vllm", urls=[url], model="smollm2", vllm={"verify_drafts": verify_drafts})
+    (engine,) = await make_engines(config)
     assert isinstance(engine, VllmEngine)
     return engine
 
@@ -283,3 +286,103 @@ async def assert_idle(url: str) -> None:
                 return
             await asyncio.sleep(0.1)
     raise AssertionError(f"vLLM still runs a request that should have stopped: {running}")
+
+
+async def tool_call_turn(
+    engine: VllmEngine, prompt: tuple[int, ...], tag: str, drafter: Any = None, max_tokens: int = 48
+) -> tuple[list[int], list[float], list[Origin], FinishReason | None]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    req = GenerateRequest(tag, prompt, params, cache_salt="spec", drafter=drafter)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    origins: list[Origin] = []
+    finish = None
+    async for chunk in engine.generate(req):
+        ids += chunk.token_ids
+        logprobs += chunk.logprobs
+        origins += chunk.origins_or_sampled()
+        finish = chunk.finish_reason
+    return ids, logprobs, origins, finish
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+async def test_speculation_on_vllm_returns_the_plain_greedy_tokens(vllm_url: str) -> None:
+    """Issue 9, AC5: a greedy tool-call turn verified by draft requests equals plain decoding, token for token."""
+    from speculation import workload
+    from speculation.config import SpeculationConfig
+    from speculation.drafters import build_drafter
+    from speculation.grammar import CompiledToolGrammar, ll_tokenizer
+
+    engine = await vllm_engine(vllm_url, verify_drafts=True)
+    assert engine.tokenizer is not None
+    compiled = CompiledToolGrammar(workload.grammar(), ll_tokenizer(engine.tokenizer.hf_tokenizer))  # type: ignore[attr-defined]
+    (episode,) = workload.episodes(1)
+    prompt = tuple(engine.tokenizer.render_prompt(list(episode.messages), list(episode.tool_schemas)))
+    await tool_call_turn(engine, prompt, "warm-up", max_tokens=1)  # the timings below start from a cached prompt
+    before = dict(engine.counters.extra)
+    t0 = time.perf_counter()
+    plain = await tool_call_turn(engine, prompt, "plain")
+    t1 = time.perf_counter()
+    assert engine.counters.extra == before  # no drafter: the plain path, one streamed request
+    drafter = build_drafter(SpeculationConfig(enabled=True), compiled)
+    spec = await tool_call_turn(engine, prompt, "spec", drafter)
+    t2 = time.perf_counter()
+    extra = {k: v - before.get(k, 0) for k, v in engine.counters.extra.items() if k.startswith("spec_")}
+    text = engine.tokenizer.decode(plain[0])
+    accepted = spec[2].count(Origin.DRAFT_ACCEPTED)
+    print(
+        f"\nvLLM speculation: {accepted} of {len(spec[0])} tokens accepted drafts; requests {extra}; "
+        f"{len(prompt)}-token prompt; plain {t1 - t0:.2f} s, speculative {t2 - t1:.2f} s; {text!r}"
+    )
+    assert "<tool_call>" in text  # a tool-call turn
+    assert spec[0] == plain[0] and spec[3] == plain[3] == FinishReason.STOP  # ends on EOS, as plain decoding
+    assert spec[1] == pytest.approx(plain[1], abs=1e-4)
+    assert accepted > 0 and accepted == extra["spec_accepted"]
+    assert set(spec[2]) <= {Origin.SAMPLED, Origin.DRAFT_ACCEPTED, Origin.RESAMPLED}
+    assert extra["spec_requests"] < len(spec[0])  # fewer engine requests than tokens: drafts were verified in bulk
+
+    # Budget and stop ids hold inside accepted drafts; an abort stops vLLM.
+    short = await tool_call_turn(engine, prompt, "short", build_drafter(SpeculationConfig(enabled=True), compiled), 9)
+    assert short[0] == plain[0][:9] and short[3] == FinishReason.LENGTH
+    got: list[TokenChunk] = []
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    drafter = build_drafter(SpeculationConfig(enabled=True), compiled)
+    async for chunk in engine.generate(GenerateRequest("spec-ab", prompt, params, drafter=drafter)):
+        got.append(chunk)
+        if len(got) == 2:
+            await engine.abort("spec-ab")
+    assert got[-1].finish_reason == FinishReason.ABORT and len(ids_of(got)) < 500
+    await assert_idle(vllm_url)
+    await engine.close()
+
+    # Off by default (verify_drafts): a drafter is ignored and the turn decodes plainly, with the same tokens.
+    default = await vllm_engine(vllm_url)
+    off = await tool_call_turn(default, prompt, "off", build_drafter(SpeculationConfig(enabled=True), compiled))
+    assert off[0] == plain[0] and default.counters.extra.get("spec_requests", 0) == 0
+    await default.close()
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+async def test_speculation_through_a_bridge_on_vllm(vllm_url: str) -> None:
+    """The bridge attaches drafters to tool episodes; on vLLM the trajectory equals the one without speculation."""
+    from speculation.workload import episodes
+
+    (ep,) = episodes(1)
+    messages = [{"role": m.role, "content": m.content} for m in ep.messages]
+    trajectories = []
+    for enabled in (False, True):
+        engine = await vllm_engine(vllm_url, verify_drafts=True)
+        async with bridge_over([engine], speculation={"enabled": enabled}) as (_, client):
+            started = await client.start_episode(
+                messages, tools=list(ep.tool_schemas), sampling={"temperature": 0, "max_tokens": 40}
+            )
+            await client.step(started.episode_id)
+            trajectories.append(await client.end_episode(started.episode_id))
+    plain, spec = trajectories
+    assert spec.token_ids.tolist() == plain.token_ids.tolist()
+    assert spec.logprobs[spec.loss_mask] == pytest.approx(plain.logprobs[plain.loss_mask], abs=1e-4)
+    assert "draft_accepted" in spec.origin_names() and "draft_accepted" not in plain.origin_names()
