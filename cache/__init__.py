@@ -29,4 +29,6 @@ def make_index(config: CacheConfig, redis_url: str = "") -> PrefixIndex:
         capacity=config.default_capacity_blocks,
         eviction=config.eviction,
         provisional_ttl_s=config.provisional_ttl_s,
+        ghost_ttl_s=config.ghost_ttl_s,
+        capacity_ratio=config.capacity_ratio,
     )

@@ -21,13 +21,22 @@ class CacheConfig(BaseModel):
         "xxh3_64", description="Block hash; every bridge sharing one index must use the same one."
     )
     eviction: Literal["cost", "lru"] = Field(
-        "cost", description="Index eviction: cost = GDSF (prefill tokens saved x hits / bytes, aged); lru baseline."
+        "cost",
+        description="Index eviction: cost = GDSF-style (reuse per copy, aged by capacity turnovers, parents "
+        "outlive children; cache/index.py); lru baseline.",
+    )
+    ghost_ttl_s: float = Field(
+        600.0, gt=0, description="Cost eviction: how long a block's reuse count outlives its last index entry."
     )
     capacity_blocks: int = Field(
         0, ge=0, description="Indexed blocks per replica; 0 = the replica's KV capacity / block_size x capacity_ratio."
     )
     capacity_ratio: float = Field(
-        1.0, gt=0, le=4, description="Index bound as a fraction of the replica's KV capacity (when derived)."
+        1.0,
+        gt=0,
+        le=4,
+        description="Index bound as a fraction of the replica's KV capacity (when derived); cost "
+        "eviction keeps a reused entry at most 1 / ratio index turnovers (the engine's LRU horizon).",
     )
     default_capacity_blocks: int = Field(
         31250, ge=1, description="Per-replica bound when the engine reports no KV capacity (llm-d's default)."

@@ -8,11 +8,23 @@ provisional entry not confirmed within ``provisional_ttl_s`` is ignored by looku
 removes provisional entries of a turn that failed before prefill.
 
 Per replica the index holds at most ``capacity`` entries (sized to that replica's KV cache).
-Eviction scores (same formulas in the memory and Redis backends):
+Eviction scores (same formulas, same order of float operations, in the memory and Redis backends):
 
-- ``cost`` (GDSF): ``L + hits x block_size [/ bytes per entry, a constant]`` plus a depth
-  tie-break that keeps a parent above its children; ``L`` (ageing) is the score of the last
-  entry evicted from that replica, so entries not hit for a while fall behind new ones.
+- ``cost`` (GDSF-style, aged by volume): ``clock + min(reuse / holders, horizon) - 1``.
+  ``reuse`` = routed requests that used the block, counted per *block hash* over all
+  replicas and, once reused, remembered for ``ghost_ttl_s`` after the last replica lets it
+  go (a "ghost", as in ARC / TinyLFU): a system or GRPO prompt squeezed out by a burst of
+  one-off prompts comes back with its history instead of starting again at 1. ``holders`` =
+  replicas holding it (a copy held elsewhere too is worth less: dropping it recomputes
+  nothing). ``clock`` = the replica's insertions / capacity (capacity turnovers), so a
+  one-off block lives about one turnover (as in LRU) and a block reused ``x`` times per copy
+  about ``x``, at most ``horizon(capacity_ratio)`` = KV capacity / index bound (<= 16): the
+  engine's own LRU keeps an unused block about that long, and an entry kept longer would
+  point at evicted KV. With the index as large as the KV this is LRU plus the copy and chain
+  rules. Every block saves ``block_size`` tokens and costs the same bytes, so per block
+  "prefill tokens saved x hits / bytes" is proportional to ``reuse / holders``. A parent
+  always scores above its children: a chain is evicted from its tail (dropping a parent
+  first would strand its children, as lookups stop at the first miss).
 - ``lru``: last-use time (parents a hair newer than children, as engines evict tails first).
 
 Lookups walk the chain from block 0 and stop at the first block no replica still matching
@@ -26,12 +38,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 Eviction = Literal["cost", "lru"]
 BYTES_PER_ENTRY = 24  # notional: 8 B hash + 8 B replica/state + 8 B score (what a compact store needs)
+REUSE_CAP = 16.0  # cost eviction: a block outlives a one-off by at most REUSE_CAP - 1 capacity turnovers
+CHAIN_EPS = 1e-6  # cost eviction: a parent scores at least this much above its child
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +119,28 @@ class PrefixIndex(Protocol):
     async def close(self) -> None: ...
 
 
-def score(mode: Eviction, L: float, hits: int, block_size: int, i: int, n: int, now: float) -> float:
-    """Eviction priority of block ``i`` of an ``n``-block chain (higher = kept longer)."""
+def horizon(capacity_ratio: float) -> float:
+    """Cost eviction: most capacity turnovers an entry may live past its last use (``capacity_ratio``
+    = index bound / KV capacity). The engine's LRU keeps a block about one KV turnover =
+    1 / ratio index turnovers; an index entry kept longer would only point at evicted KV."""
+    return max(1.0, min(REUSE_CAP, 1.0 / capacity_ratio))
+
+
+def score(
+    mode: Eviction, clock: float, reuse: int, holders: int, i: int, n: int, now: float, cap: float = REUSE_CAP
+) -> float:
+    """Eviction priority of block ``i`` of an ``n``-block chain (higher = kept longer), before the
+    parent-above-child floor. ``clock``: the replica's capacity turnovers so far; ``reuse``: requests
+    that used the block (all replicas); ``holders``: replicas holding it; ``now``: seconds (LRU);
+    ``cap``: ``horizon(capacity_ratio)``."""
     if mode == "lru":
         return now + (n - i) * 1e-6
-    return L + hits * block_size + 0.5 * (n - i) / n
+    return clock + min(reuse / max(1, holders), cap) - 1.0
+
+
+def _order(h: int) -> int:
+    """Tie order of equal scores: Redis sorts ZSET ties by member bytes (8-byte little-endian hash)."""
+    return int.from_bytes(h.to_bytes(8, "little"), "big")
 
 
 @dataclass(slots=True)
@@ -123,8 +155,8 @@ class _Entry:
 class _Shelf:
     capacity: int
     count: int = 0
-    L: float = 0.0
-    heap: list[tuple[float, int, int]] = field(default_factory=list)
+    clock: float = 0.0  # cost eviction: insertions / capacity (turnovers)
+    heap: list[tuple[float, int, int, int]] = field(default_factory=list)  # (prio, tie order, seq, hash)
 
 
 class MemoryIndex:
@@ -141,14 +173,22 @@ class MemoryIndex:
         eviction: Eviction = "cost",
         provisional_ttl_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        ghost_ttl_s: float = 600.0,
+        capacity_ratio: float = 1.0,
     ) -> None:
         self.block_size = block_size
         self.default_capacity = capacity
         self.eviction: Eviction = eviction
         self.provisional_ttl_s = provisional_ttl_s
         self.clock = clock
+        self.ghost_ttl_s = ghost_ttl_s
+        self.horizon = horizon(capacity_ratio)
         self.stats = IndexStats()
         self._holders: dict[int, dict[int, _Entry]] = {}
+        self._reuse: dict[int, int] = {}  # cost eviction: requests that used a held block (all replicas)
+        # Reuse counts (>= 2) of blocks no replica holds any more: hash -> (count, expiry); at most
+        # the sum of the replicas' capacities (oldest first out).
+        self._ghosts: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self._shelves: dict[int, _Shelf] = {}
         self._pins: dict[str, tuple[int, float]] = {}
         self._seq = itertools.count()
@@ -190,43 +230,83 @@ class MemoryIndex:
         return Match({r: b for r, b in matched.items() if b > 0}, True, min(i + 1, len(hashes)))
 
     def record_now(self, replica: int, hashes: Sequence[int]) -> None:
-        now = self.clock()
-        shelf = self._shelf(replica)
-        n = len(hashes)
-        ttl = self.provisional_ttl_s
-        mode, bs, L = self.eviction, self.block_size, shelf.L
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
-            if holders is None:
-                holders = self._holders[h] = {}
-            e = holders.get(replica)
-            if e is None:
-                e = holders[replica] = _Entry(hits=1, until=now + ttl)
-                shelf.count += 1
-                self._push(shelf, e, h, score(mode, L, 1, bs, i, n, now))
-                continue
-            if e.until:
-                e.until = now + ttl
-            e.hits += 1
-            # Scores only grow; the heap keeps the old (lower) score and _trim re-files it lazily.
-            e.prio = max(e.prio, score(mode, L, e.hits, bs, i, n, now))
-        self._trim(replica)
+        self._write(replica, hashes, True)
 
     def confirm_now(self, replica: int, hashes: Sequence[int]) -> None:
+        self._write(replica, hashes, False)
+
+    def _write(self, replica: int, hashes: Sequence[int], record: bool) -> None:
+        """``record``: routing time (provisional, counts a use); else an engine report (confirmed)."""
         now = self.clock()
         shelf = self._shelf(replica)
         n = len(hashes)
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
-            if holders is None:
-                holders = self._holders[h] = {}
+        until = now + self.provisional_ttl_s if record else 0.0
+        if self.eviction == "lru":
+            for i, h in enumerate(hashes):
+                holders = self._holders.setdefault(h, {})
+                e = holders.get(replica)
+                if e is None:
+                    e = holders[replica] = _Entry(hits=1, until=until)
+                    shelf.count += 1
+                    self._push(shelf, e, h, score("lru", 0.0, 1, 1, i, n, now))
+                    continue
+                e.until = 0.0 if not record else (until if e.until else 0.0)
+                if record:
+                    e.hits += 1
+                    # Scores only grow; the heap keeps the old (lower) score and _trim re-files it lazily.
+                    e.prio = max(e.prio, score("lru", 0.0, e.hits, 1, i, n, now))
+            self._trim(replica)
+            return
+        # Cost: leaf to root, so each parent can be lifted above its child.
+        floor = -float("inf")
+        for i in range(n - 1, -1, -1):
+            h = hashes[i]
+            holders = self._holders.setdefault(h, {})
             e = holders.get(replica)
+            new = e is None
             if e is None:
-                e = holders[replica] = _Entry(hits=1)
+                shelf.clock += 1.0 / shelf.capacity
+                e = holders[replica] = _Entry(until=until)
                 shelf.count += 1
-                self._push(shelf, e, h, score(self.eviction, shelf.L, 1, self.block_size, i, n, now))
-            e.until = 0.0
+            elif not record:
+                e.until = 0.0
+            elif e.until:
+                e.until = until
+            prio = -float("inf") if new else e.prio
+            if record or new:  # a use (a routed request, or a block new to this replica)
+                e.hits += 1
+                reuse = self._use(h, now)
+                prio = max(prio, score("cost", shelf.clock, reuse, len(holders), i, n, now, self.horizon))
+            prio = max(prio, floor)
+            if new:
+                self._push(shelf, e, h, prio)
+            else:
+                e.prio = prio  # only grows: _trim re-files the heap record lazily
+            floor = prio + CHAIN_EPS
         self._trim(replica)
+
+    def _use(self, h: int, now: float) -> int:
+        """Count one more use of block ``h`` (restoring the count a ghost remembers)."""
+        f = self._reuse.get(h)
+        if f is None:
+            g = self._ghosts.pop(h, None)
+            f = g[0] if g is not None and g[1] > now else 0
+        f += 1
+        self._reuse[h] = f
+        return f
+
+    def _unheld(self, h: int) -> None:
+        """No replica holds ``h`` any more: keep its reuse count as a ghost for a while (if it was
+        reused at all: one-off blocks, e.g. a scan, leave no trace and cannot flush the ghosts)."""
+        f = self._reuse.pop(h, None)
+        if f is None or f < 2:
+            return
+        now = self.clock()
+        self._ghosts[h] = (f, now + self.ghost_ttl_s)
+        bound = sum(s.capacity for s in self._shelves.values())
+        ghosts = self._ghosts
+        while ghosts and (len(ghosts) > bound or next(iter(ghosts.values()))[1] <= now):
+            ghosts.popitem(last=False)
 
     def drop_now(self, replica: int, hashes: Sequence[int]) -> None:
         for h in hashes:
@@ -238,43 +318,43 @@ class MemoryIndex:
         shelf = self._shelves.pop(replica, None)
         if shelf is None:
             return
-        for _, _, h in shelf.heap:
+        for _, _, _, h in shelf.heap:
             holders = self._holders.get(h)
             if holders is not None and holders.pop(replica, None) is not None and not holders:
                 del self._holders[h]
+                self._unheld(h)
         self._shelves[replica] = _Shelf(shelf.capacity)
 
     def _push(self, shelf: _Shelf, e: _Entry, h: int, prio: float) -> None:
         e.prio, e.seq = prio, next(self._seq)
-        heapq.heappush(shelf.heap, (prio, e.seq, h))
+        heapq.heappush(shelf.heap, (prio, _order(h), e.seq, h))
 
     def _remove(self, replica: int, h: int) -> None:
         holders = self._holders[h]
         del holders[replica]
         if not holders:
             del self._holders[h]
+            self._unheld(h)
         self._shelves[replica].count -= 1
 
     def _trim(self, replica: int) -> None:
         shelf = self._shelves[replica]
         while shelf.count > shelf.capacity:
-            prio, seq, h = heapq.heappop(shelf.heap)
+            prio, order, seq, h = heapq.heappop(shelf.heap)
             e = self._holders.get(h, {}).get(replica)
             if e is None or e.seq != seq:
                 continue  # stale heap record (entry dropped and maybe re-added)
             if e.prio > prio:  # touched since it was filed: file it again at its current score
-                heapq.heappush(shelf.heap, (e.prio, seq, h))
+                heapq.heappush(shelf.heap, (e.prio, order, seq, h))
                 continue
             self._remove(replica, h)
             self.stats.evictions += 1
-            if self.eviction == "cost":
-                shelf.L = prio
         if len(shelf.heap) > 2 * shelf.count + 1024:  # drop records of removed entries
             live = []
-            for _, seq, h in shelf.heap:
+            for _, order, seq, h in shelf.heap:
                 e = self._holders.get(h, {}).get(replica)
                 if e is not None and e.seq == seq:
-                    live.append((e.prio, seq, h))
+                    live.append((e.prio, order, seq, h))
             heapq.heapify(live)
             shelf.heap = live
 

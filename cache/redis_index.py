@@ -2,9 +2,13 @@
 
 Layout (``ns`` = ``CacheConfig.namespace()``; ``<hash>`` = the block hash as 8 little-endian bytes):
 
-- ``ns:b:<hash>``   HASH  field = replica id, value = ``"<hits>:<provisional_until_ms>"`` (0 = confirmed)
+- ``ns:b:<hash>``   HASH  field = replica id, value = ``"<hits>:<provisional_until_ms>"`` (0 = confirmed);
+  with cost eviction also field ``f`` = the block's reuse count over all replicas. When no
+  replica holds a reused block (``f`` >= 2) any more, the key stays, holding only ``f``, for
+  ``ghost_ttl_s`` (PEXPIRE; PERSIST when a replica takes it again), so a returning prefix
+  keeps its history; one-off blocks are deleted.
 - ``ns:r:<replica>`` ZSET member = ``<hash>``, score = eviction priority (cache/index.py ``score``)
-- ``ns:L:<replica>`` STRING the GDSF ageing base of that replica
+- ``ns:L:<replica>`` STRING the cost-eviction clock of that replica (insertions / capacity)
 - ``ns:a:<key>``    STRING pinned replica of an episode / GRPO group (``SET NX EX``)
 
 Writes (record / confirm / drop) are one Lua script per call, so a replica's bound and its
@@ -41,19 +45,42 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from cache.config import CacheConfig
-from cache.index import IndexStats, Match
+from cache.index import CHAIN_EPS, IndexStats, Match, horizon
 
 log = logging.getLogger("primerl.cache")
 
-# KEYS: zset, L  ARGV: replica, now_ms, mode, cap, block_size, until_ms, op, ns, hashes (8 B LE each)
+# KEYS: zset, clock  ARGV: replica, now_ms, mode, cap, block_size, until_ms, op, ns, hashes (8 B LE each),
+#   horizon, ghost_ttl_ms, chain_eps.  Same arithmetic, in the same order, as MemoryIndex._write.
 _WRITE = """
 local zkey, lkey = KEYS[1], KEYS[2]
 local rep, now, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local cap, bs, untl, op, ns = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8]
-local L = tonumber(redis.call('GET', lkey) or '0')
+local reuse_cap, ghost_ms, eps = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+local clock = tonumber(redis.call('GET', lkey) or '0')
 local blob = ARGV[9]
 local n = #blob / 8
-for i = 0, n - 1 do
+local function unheld(key)
+  if redis.call('HLEN', key) == 1 then
+    local f = tonumber(redis.call('HGET', key, 'f'))
+    if f == nil then return end
+    if f >= 2 then redis.call('PEXPIRE', key, ghost_ms) else redis.call('DEL', key) end
+  end
+end
+if op == 'drop' then
+  for i = 0, n - 1 do
+    local member = string.sub(blob, 8 * i + 1, 8 * i + 8)
+    local key = ns .. ':b:' .. member
+    local v = redis.call('HGET', key, rep)
+    if v and string.match(v, ':(%d+)$') ~= '0' then
+      redis.call('HDEL', key, rep)
+      redis.call('ZREM', zkey, member)
+      unheld(key)
+    end
+  end
+  return 0
+end
+local floor = nil
+for i = n - 1, 0, -1 do
   local member = string.sub(blob, 8 * i + 1, 8 * i + 8)
   local key = ns .. ':b:' .. member
   local v = redis.call('HGET', key, rep)
@@ -62,21 +89,30 @@ for i = 0, n - 1 do
     local a, b = string.match(v, '(%d+):(%d+)')
     hits, p = tonumber(a), b
   end
-  if op == 'drop' then
-    if v and p ~= '0' then
-      redis.call('HDEL', key, rep)
-      redis.call('ZREM', zkey, member)
-    end
+  local bump = (op == 'record') or (not v)
+  if op == 'confirm' then p = '0' elseif v and p ~= '0' then p = untl end
+  if bump then hits = hits + 1 end
+  redis.call('HSET', key, rep, string.format('%d', hits) .. ':' .. p)
+  if mode == 'lru' then
+    if bump then redis.call('ZADD', zkey, 'GT', now / 1000.0 + (n - i) * 1e-6, member) end
   else
-    local bump = (op == 'record') or (not v)
-    if op == 'confirm' then p = '0' elseif v and p ~= '0' then p = untl end
-    if bump then hits = hits + 1 end
-    redis.call('HSET', key, rep, string.format('%d', hits) .. ':' .. p)
-    if bump then
-      local s
-      if mode == 'lru' then s = now / 1000.0 + (n - i) * 1e-6 else s = L + hits * bs + 0.5 * (n - i) / n end
-      redis.call('ZADD', zkey, 'GT', s, member)
+    local s = nil
+    if v then
+      s = tonumber(redis.call('ZSCORE', zkey, member))
+    else
+      clock = clock + 1 / cap
+      redis.call('PERSIST', key)
     end
+    if bump then
+      local f = redis.call('HINCRBY', key, 'f', 1)
+      local holders = redis.call('HLEN', key) - 1
+      local x = clock + math.min(f / math.max(1, holders), reuse_cap) - 1
+      if s == nil or x > s then s = x end
+    end
+    if s == nil then s = clock - 1 end  -- held but missing from the ZSET (cannot happen via these scripts)
+    if floor ~= nil and floor > s then s = floor end
+    redis.call('ZADD', zkey, s, member)
+    floor = s + eps
   end
 end
 local cnt = redis.call('ZCARD', zkey)
@@ -84,12 +120,13 @@ local evicted = 0
 if cnt > cap then
   local popped = redis.call('ZPOPMIN', zkey, cnt - cap)
   for j = 1, #popped, 2 do
-    redis.call('HDEL', ns .. ':b:' .. popped[j], rep)
+    local key = ns .. ':b:' .. popped[j]
+    redis.call('HDEL', key, rep)
+    unheld(key)
     evicted = evicted + 1
-    L = tonumber(popped[j + 1])
   end
-  if mode == 'cost' then redis.call('SET', lkey, string.format('%.6f', L)) end
 end
+if mode == 'cost' then redis.call('SET', lkey, string.format('%.17g', clock)) end
 return evicted
 """
 
@@ -107,8 +144,8 @@ for i = 1, #blob / 8 do
   local live = {}
   local any = false
   for j = 1, #f, 2 do
-    local p = tonumber(string.match(f[j + 1], ':(%d+)$'))
-    if (p == 0 or p > now) and (alive == nil or alive[f[j]]) then
+    local p = f[j] ~= 'f' and tonumber(string.match(f[j + 1], ':(%d+)$'))
+    if p and (p == 0 or p > now) and (alive == nil or alive[f[j]]) then
       live[f[j]] = true
       any = true
     end
@@ -134,10 +171,17 @@ end
 return out
 """
 
-# KEYS: zset  ARGV: replica, ns  -- remove every entry of a replica
+# KEYS: zset  ARGV: replica, ns, ghost_ttl_ms  -- remove every entry of a replica
 _FORGET = """
 local members = redis.call('ZRANGE', KEYS[1], 0, -1)
-for _, m in ipairs(members) do redis.call('HDEL', ARGV[2] .. ':b:' .. m, ARGV[1]) end
+for _, m in ipairs(members) do
+  local key = ARGV[2] .. ':b:' .. m
+  redis.call('HDEL', key, ARGV[1])
+  if redis.call('HLEN', key) == 1 then
+    local f = tonumber(redis.call('HGET', key, 'f'))
+    if f ~= nil and f >= 2 then redis.call('PEXPIRE', key, ARGV[3]) elseif f ~= nil then redis.call('DEL', key) end
+  end
+end
 redis.call('DEL', KEYS[1])
 return #members
 """
@@ -272,7 +316,7 @@ class RedisIndex:
                     raw = await pipe.execute()
                 self.stats.round_trips += 1
                 for h, fields in zip(part, raw, strict=True):
-                    row = tuple((int(k), float(v.split(b":", 1)[1])) for k, v in fields.items())
+                    row = tuple((int(k), float(v.split(b":", 1)[1])) for k, v in fields.items() if k != b"f")
                     if row:
                         self._near_put(h, row, now)
                     rows.append(row)
@@ -322,7 +366,13 @@ class RedisIndex:
         cap = self._capacity.get(replica, self.cfg.default_capacity_blocks)
         keys = [f"{self.ns}:r:{replica}", f"{self.ns}:L:{replica}"]
         args: list[str | int | bytes] = [replica, f"{now:.0f}", self.cfg.eviction, cap, self.cfg.block_size, until, op]
-        args += [self.ns, _blob(hashes)]
+        args += [
+            self.ns,
+            _blob(hashes),
+            repr(horizon(self.cfg.capacity_ratio)),
+            f"{self.cfg.ghost_ttl_s * 1e3:.0f}",
+            repr(CHAIN_EPS),
+        ]
         try:
             async with asyncio.timeout(self.cfg.write_timeout_ms / 1e3):
                 evicted = await self._write(keys=keys, args=args)
@@ -360,7 +410,8 @@ class RedisIndex:
         self._answers.clear()
         try:
             async with asyncio.timeout(self.cfg.write_timeout_ms / 1e3 * 10):
-                await self._forget(keys=[f"{self.ns}:r:{replica}"], args=[replica, self.ns])
+                ghost_ms = f"{self.cfg.ghost_ttl_s * 1e3:.0f}"
+                await self._forget(keys=[f"{self.ns}:r:{replica}"], args=[replica, self.ns, ghost_ms])
         except (RedisError, OSError, TimeoutError) as exc:
             self.stats.write_errors += 1
             self._failed(exc, "forget_replica")

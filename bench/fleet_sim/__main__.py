@@ -170,7 +170,7 @@ def main() -> None:
     if not args.no_record:
         scale = "quick (4 replicas)" if args.quick else "full (8 replicas)"
         record(
-            "fleet_sim" + ("_quick" if args.quick else ""),
+            "fleet_sim",
             f"Fleet simulator: routing policies, {scale}, seed {s.seed}",
             rows,
             figures,
@@ -183,6 +183,16 @@ def main() -> None:
                 "load through a 20 ms load board.\n\n"
                 f"![hit ratio and throughput vs load]({PLOT.relative_to(PLOT.parent.parent).as_posix()})"
             ),
+            ratios={
+                "agentic_cache_aware_over_round_robin_tput": ca.throughput / rr.throughput,
+                "agentic_cache_aware_hit_over_oracle": ca.hit_ratio / orc.hit_ratio,
+                "agentic_cache_aware_load_cov": ca.load_cov,
+                "grpo8_cache_aware_prompt_prefills_per_group": figures["grpo8"]["cache_aware"]["prefills_per_group"],
+                "bridges8_hit_over_oracle": hits[-1],
+                "eviction_cost_over_lru_recomputed": rc.recomputed / rl.recomputed,
+                "skew_prefix_hash_over_cache_aware_tput": ph.throughput / ca_sk.throughput,
+            },
+            plots=(PLOT.relative_to(PLOT.parent.parent).as_posix(),),
         )
 
 

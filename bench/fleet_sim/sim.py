@@ -221,6 +221,7 @@ class Fleet:
             eviction=eviction,  # type: ignore[arg-type]
             provisional_ttl_s=30.0,
             clock=lambda: self.now,
+            capacity_ratio=index_capacity_ratio,
         )
         cfg = routing or RoutingConfig()
         fp = Fingerprinter(block_size=self.block)

@@ -116,6 +116,77 @@ async def test_bounds_and_eviction_match_the_memory_backend(redis_server: Privat
         await red.close()
 
 
+@pytest.mark.parametrize("lookup_mode", ["script", "pipeline"])
+async def test_cost_eviction_with_shared_reuse_and_ghosts_matches_the_memory_backend(
+    redis_server: PrivateRedis, lookup_mode: str
+) -> None:
+    """Same scores, same evictions, same lookups as the memory index over a mixed run: shared
+    prompts on two replicas, private tails, confirms of output blocks, drops, and a prompt that
+    is squeezed out and comes back (its reuse count kept in a ghost key with a TTL)."""
+    import random
+
+    now = [5000.0]
+    cfg = CacheConfig(
+        block_size=BS, default_capacity_blocks=10, lookup_budget_ms=500, write_timeout_ms=2000,
+        near_cache_ttl_s=0, lookup_mode=lookup_mode, ghost_ttl_s=60, capacity_ratio=0.1,
+    )  # fmt: skip
+    red = RedisIndex(redis_server.url, cfg, clock_ms=lambda: now[0] * 1e3)
+    mem = MemoryIndex(BS, capacity=10, clock=lambda: now[0], ghost_ttl_s=60, capacity_ratio=0.1)
+    rng = random.Random(11)
+    prompts = [[1000 * p + j for j in range(1, rng.randint(3, 6))] for p in range(1, 4)]
+    chains = []
+    try:
+        for step in range(60):
+            chain = [*rng.choice(prompts), *(100_000 + 100 * step + j for j in range(rng.randint(0, 3)))]
+            chains.append(chain)
+            replica, op = rng.randrange(2), rng.random()
+            if op < 0.6:
+                await red.record(replica, chain)
+                mem.record_now(replica, chain)
+            elif op < 0.9:
+                chain = [*chain, 200_000 + step]
+                await red.confirm(replica, chain)
+                mem.confirm_now(replica, chain)
+            else:
+                await red.drop(replica, chain[-2:])
+                mem.drop_now(replica, chain[-2:])
+            await red.flush()
+            now[0] += 1
+            for r in (0, 1):
+                zset = await red.redis.zrange(f"{cfg.namespace()}:r:{r}", 0, -1)  # type: ignore[arg-type]
+                held = {int.from_bytes(bytes(h), "little") for h in zset}
+                assert held == {h for h, holders in mem._holders.items() if r in holders}, (step, r)
+        assert red.stats.evictions == mem.stats.evictions > 0
+        for chain in chains:
+            assert (await red.lookup(chain)).blocks == mem.lookup_now(chain).blocks
+        for h, f in mem._reuse.items():  # one reuse count per block, over both replicas
+            assert int(await red.redis.hget(red._bkey(h), "f")) == f  # type: ignore[arg-type]
+        # A scan of one-offs squeezes every prompt out of both replicas: reused blocks stay as
+        # ghosts (only their count, with a TTL); one-off blocks leave nothing behind.
+        for k in range(40):  # 20 turnovers per replica: more than any reuse buys (1 / ratio = 10)
+            scan = [300_000 + 100 * k + j for j in range(10)]
+            await red.record(k % 2, scan)
+            mem.record_now(k % 2, scan)
+        await red.flush()
+        assert mem._ghosts
+        for h, (f, _) in mem._ghosts.items():
+            key = red._bkey(h)
+            assert await red.redis.hgetall(key) == {b"f": str(f).encode()}  # type: ignore[misc]
+            assert 0 < await red.redis.pttl(key) <= 60_000
+        gone = [h for h in (100_000 + j for j in range(100)) if h not in mem._ghosts and h not in mem._reuse]
+        assert gone and not await red.redis.exists(*(red._bkey(h) for h in gone))
+        # A returning prompt gets its count back, and its key loses the TTL again.
+        await red.record(0, prompts[0])
+        mem.record_now(0, prompts[0])
+        await red.flush()
+        h0 = prompts[0][0]
+        assert int(await red.redis.hget(red._bkey(h0), "f")) == mem._reuse[h0] > 1  # type: ignore[arg-type]
+        assert await red.redis.pttl(red._bkey(h0)) == -1
+        assert (await red.lookup(prompts[0])).blocks == mem.lookup_now(prompts[0]).blocks == {0: len(prompts[0])}
+    finally:
+        await red.close()
+
+
 async def test_redis_killed_mid_run_fails_open_then_recovers(redis_server: PrivateRedis) -> None:
     idx = RedisIndex(redis_server.url, CFG)
     p = CacheAware(3, idx, FP)

@@ -80,3 +80,16 @@ def test_prefix_consistent_hash_collapses_under_skewed_prompts() -> None:
     ca = agent("cache_aware", seed=17).run(AgentWorkload(concurrency=192, zipf=1.5), until=40, warmup=10)
     assert ring.throughput <= 0.85 * ca.throughput
     assert ring.load_cov > 3 * ca.load_cov
+
+
+@pytest.mark.slow
+def test_cost_aware_index_eviction_recomputes_less_than_lru() -> None:
+    # The bench's eviction experiment at full scale (8 replicas, index = 0.1 x KV, Zipf system
+    # prompts + periodic scans of one-off documents). The quick scale is too short to separate
+    # the policies from seed noise; at full scale every seed tried (1-16) puts cost below LRU.
+    from bench.fleet_sim.experiments import FULL, eviction
+
+    ev = eviction(FULL)
+    (cost, _, cost_shared), (lru, _, lru_shared) = ev["cost"], ev["lru"]
+    assert cost.recomputed < lru.recomputed
+    assert cost_shared <= 0.95 * lru_shared
