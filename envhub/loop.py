@@ -30,6 +30,33 @@ from envhub.grammar import TOOL_CALL_BEGIN, TOOL_CALL_END, ToolGrammar, grammar_
 from envhub.types import FinalAnswer, ResetResult, ToolCall
 
 _BLOCK_RE = re.compile(re.escape(TOOL_CALL_BEGIN) + r"(.*?)(?:" + re.escape(TOOL_CALL_END) + r"|$)", re.DOTALL)
+_DECODER = json.JSONDecoder()
+
+
+def _blocks(text: str) -> list[tuple[str, int, int]]:
+    """(payload, start, end) of each ``<tool_call>`` block.
+
+    A payload that parses as JSON ends where the JSON value ends, so a string argument may contain
+    ``</tool_call>`` (the grammar allows it); otherwise the block runs to the first end tag (or the end).
+    """
+    out = []
+    pos = 0
+    while (start := text.find(TOOL_CALL_BEGIN, pos)) >= 0:
+        body = start + len(TOOL_CALL_BEGIN)
+        try:
+            _, stop = _DECODER.raw_decode(text, len(text) - len(text[body:].lstrip()))
+        except json.JSONDecodeError:
+            stop = -1
+        tail = text[stop:].lstrip() if stop >= 0 else ""
+        if stop >= 0 and (tail.startswith(TOOL_CALL_END) or not tail):
+            end = len(text) - len(tail) + (len(TOOL_CALL_END) if tail else 0)
+            out.append((text[body:stop], start, end))
+        else:
+            m = _BLOCK_RE.match(text, start)
+            assert m is not None  # the pattern matches from any begin tag
+            out.append((m.group(1), start, m.end()))
+        pos = out[-1][2]
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +72,12 @@ def parse_tool_calls(text: str) -> ParsedCalls | None:
     (SmolLM2); ``parameters`` is accepted for ``arguments``, and ``arguments`` may be a JSON
     string. An unterminated last block (the turn hit max_tokens) is parsed as far as it goes.
     """
-    blocks = _BLOCK_RE.findall(text)
+    blocks = _blocks(text)
     if not blocks:
         return None
     calls: list[ToolCall] = []
     errors: list[str] = []
-    for raw in blocks:
+    for raw, _, _ in blocks:
         payload = raw.strip()
         try:
             value = json.loads(payload)
@@ -98,7 +125,11 @@ def strip_end_markers(text: str, markers: tuple[str, ...] = END_MARKERS) -> str:
 
 
 def strip_tool_calls(text: str) -> str:
-    return _BLOCK_RE.sub("", text).strip()
+    kept, pos = [], 0
+    for _, start, end in _blocks(text):
+        kept.append(text[pos:start])
+        pos = end
+    return ("".join(kept) + text[pos:]).strip()
 
 
 @dataclass(frozen=True, slots=True)

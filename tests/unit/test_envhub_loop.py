@@ -152,3 +152,17 @@ async def test_start_env_episode_gives_the_bridge_prompt_tools_and_loop() -> Non
     d = await ep.loop.on_turn("<answer>Carl Gauss</answer>")
     assert d.done and d.reward == 1.0
     await ep.close()
+
+
+def test_a_string_argument_may_contain_the_end_tag() -> None:
+    """The grammar allows ``</tool_call>`` inside a JSON string; the block ends where the JSON value ends."""
+    from envhub.loop import parse_tool_calls, strip_tool_calls
+
+    text = 'Let me check.<tool_call>\n{"name": "echo", "arguments": {"text": "a</tool_call>b"}}\n</tool_call> done'
+    parsed = parse_tool_calls(text)
+    assert parsed is not None and not parsed.errors
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("echo", {"text": "a</tool_call>b"})]
+    assert strip_tool_calls(text) == "Let me check. done"
+    # Malformed JSON still ends at the first end tag, and an unterminated block runs to the end.
+    bad = parse_tool_calls('<tool_call>{"name": oops}</tool_call> then <tool_call>{"name": "echo", "argu')
+    assert bad is not None and len(bad.errors) == 2 and not bad.calls
