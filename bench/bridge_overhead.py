@@ -121,6 +121,10 @@ async def main(n: int, seconds: float) -> None:
         rows,
         figures,
         notes="Bridge in its own process, client in another, both on this machine's cores.",
+        ratios={
+            "bridge_over_direct_p50": pct(bridged16, 50) / pct(base16, 50),
+            "bridge_over_direct_256_tokens_p50": pct(bridged256, 50) / pct(base256, 50),
+        },
     )
 
 

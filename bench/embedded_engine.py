@@ -108,6 +108,30 @@ async def concurrency(engine: EmbeddedEngine, tokens: int) -> dict[str, float]:
     return {"tokens_per_s_1": solo, "tokens_per_s_8": eight, "ratio": eight / solo}
 
 
+def plot_turn5(rows: list[int], workloads: list[dict[str, float]], conc: dict[str, float]) -> str:
+    """Bars: turn-5 latency stateful vs re-prefill per workload, and decode tokens/s 1 vs 8 episodes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(__file__).resolve().parent / "plots" / "embedded_engine.png"
+    path.parent.mkdir(exist_ok=True)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    xs = range(len(workloads))
+    a1.bar([x - 0.2 for x in xs], [w["stateful_s"] * 1e3 for w in workloads], 0.4, label="stateful (KV kept)")
+    a1.bar([x + 0.2 for x in xs], [w["reprefill_s"] * 1e3 for w in workloads], 0.4, label="re-prefill history")
+    a1.set_xticks(list(xs), [f"{w['turn5_history_tokens']:.0f}-token history" for w in workloads])
+    a1.set(ylabel="turn-5 latency (ms)", title="Turn 5: stateful vs re-prefill")
+    a1.legend(fontsize=8)
+    a2.bar(["1 episode", "8 concurrent"], [conc["tokens_per_s_1"], conc["tokens_per_s_8"]], color="tab:green")
+    a2.set(ylabel="decode tokens/s", title=f"Batching: {conc['ratio']:.2f}x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.relative_to(path.parent.parent).as_posix()
+
+
 def load_times(skip_cold: bool) -> dict[str, float]:
     from engines.embedded import load_model
 
@@ -127,7 +151,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="episodes per mode for the turn-5 comparison")
     parser.add_argument(
-        "--rows", type=int, nargs="+", default=[8, 20], help="tool-output rows per observation, one workload each"
+        "--rows", type=int, nargs="+", default=[8, 20, 40], help="tool-output rows per observation, one workload each"
     )
     parser.add_argument("--gen-tokens", type=int, default=24, help="tokens generated per turn")
     parser.add_argument("--concurrent-tokens", type=int, default=48, help="tokens per episode in the batching run")
@@ -177,6 +201,12 @@ async def main() -> None:
         rows,
         {"turn5": workloads, **conc, **loads, "peak_rss_mib": rss_mib},
         notes,
+        ratios={
+            **{f"turn5_speedup_rows{r}": st["ratio"] for r, st in zip(args.rows, workloads, strict=True)},
+            **{f"turn5_ttft_speedup_rows{r}": st["ttft_ratio"] for r, st in zip(args.rows, workloads, strict=True)},
+            "batch8_over_1_tokens_per_s": conc["ratio"],
+        },
+        plots=(plot_turn5(args.rows, workloads, conc),),
     )
 
 

@@ -128,6 +128,7 @@ async def main(url: str, model_dir: Path, turns: int, prompts: int) -> None:
         figures,
         notes=f"{turns} interleaved turns per path; {prompts} prompts for first-token latency. vLLM, bridge and "
         "client share this machine's cores, so absolute times are noisy; compare the paired figures.",
+        ratios={"bridge_over_direct_turn_p50": b50 / d50, "ttft_hit_speedup": c50 / w50},
     )
 
 

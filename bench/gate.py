@@ -2,17 +2,21 @@
 
 Two sources of figures:
 
-* ``--fast`` (run by ``make test``): deterministic, count-based probes that take well under a minute and do not
-  depend on how busy the machine is: prefill tokens the embedded engine computes on turn 5 of an episode
-  (stateful decode), prompt prefills of a GRPO group of 8, forward passes to decode 8 concurrent episodes
-  (batching), and the seeded results other benchmarks expose as ``fast_figures()``.
-* default (``make bench-gate``): the JSON each benchmark wrote to ``bench/out/`` in the last ``make bench``.
+* ``--fast`` (run by ``make test``, ~1 min): deterministic, count-based probes that do not depend on how busy
+  the machine is: prefill tokens the embedded engine computes on turn 5 of an episode (stateful decode), prompt
+  prefills of a GRPO group of 8, forward passes to decode 8 concurrent episodes (batching), target forward passes
+  per token with speculation on vs off (greedy tool calls), and the seeded fleet simulator's ratios (simulated
+  time: cache-aware vs round-robin throughput, hit ratio vs the oracle, GRPO prompt prefills per group).
+* default (``make bench-gate``): the same-run ratios each benchmark wrote to ``bench/results/<name>.json`` in the
+  last ``make bench`` / ``primerl bench`` (``"full"`` section of the baselines).
 
 Each baseline names a figure, its value, the direction that is better and a tolerance; a figure worse than
 ``baseline -/+ tolerance`` fails the gate with a table of what regressed and by how much.
-``--inject kv-off|no-batching|no-group-sharing`` deliberately breaks the engine to show the gate catches it.
+``--inject NAME`` deliberately breaks the product code in-process (KV reuse off, batching off, group prefix
+sharing off, cache-aware routing replaced by round-robin, speculation drafting nothing) to show the gate
+catches it. ``--repeat N`` runs the fast probes N times and prints each figure's spread.
 
-Usage: python bench/gate.py [--fast] [--inject NAME] [--write-baselines]
+Usage: python bench/gate.py [--fast] [--inject NAME] [--repeat N] [--only BENCH ...] [--write-baselines]
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BENCH = Path(__file__).resolve().parent
 BASELINES = BENCH / "baselines.json"
-INJECTIONS = ("kv-off", "no-batching", "no-group-sharing")
+INJECTIONS = ("kv-off", "no-batching", "no-group-sharing", "round-robin", "no-speculation")
 
 
 @dataclass(frozen=True)
@@ -136,55 +140,130 @@ async def embedded_probes(inject: str | None) -> dict[str, float]:
         await asyncio.gather(*(run(p, params=sampled) for p in prompts))
         decode_forwards = engine.counters.forward_passes - forwards - 8  # minus the 8 prefills
         figures["embedded.batch8_forwards_per_token"] = decode_forwards / (engine.counters.generated_tokens - generated)
+        figures.update(await speculation_probes(engine, inject))
         return figures
     finally:
         await engine.close()
 
 
+async def speculation_probes(engine: Any, inject: str | None) -> dict[str, float]:
+    """Greedy tool-call episodes with drafts off vs on: target forward passes per generated token, identity."""
+    from bench.speculation import Tally, run_episode
+    from engines.types import SamplingParams
+    from speculation import workload
+    from speculation.config import SpeculationConfig
+    from speculation.drafters import SpeculativeDrafter
+    from speculation.grammar import CompiledToolGrammar, ll_tokenizer
+
+    compiled = CompiledToolGrammar(workload.grammar(), ll_tokenizer(engine.tokenizer.hf_tokenizer))
+    drafters = () if inject == "no-speculation" else ("grammar", "ngram")
+    tallies = {"off": Tally(), "on": Tally()}
+    greedy = SamplingParams(temperature=0.0, max_tokens=48)
+    for ep in workload.episodes(2):
+        prompt = engine.tokenizer.render_prompt(list(ep.messages), list(ep.tool_schemas))
+        for name, config in (("off", ()), ("on", drafters)):
+            drafter = SpeculativeDrafter(SpeculationConfig(enabled=True, drafters=config), compiled)
+            ids, _, forwards = await run_episode(engine, prompt, drafter, greedy)
+            drafter.draft([*prompt, *ids], 0)  # let the span tracker see the last token
+            t = tallies[name]
+            t.outputs.append(ids)
+            t.tokens += len(ids)
+            t.forwards += forwards
+            t.span_tokens += drafter.stats.span_tokens
+            t.span_steps += drafter.stats.span_steps
+    off, on = tallies["off"], tallies["on"]
+    same = sum(a == b for a, b in zip(off.outputs, on.outputs, strict=True)) / len(off.outputs)
+    return {
+        "speculation.tokens_per_forward_gain": (on.tokens / on.forwards) / (off.tokens / off.forwards),
+        "speculation.span_tokens_per_step": on.span_tokens / max(1, on.span_steps),
+        "speculation.identical_outputs": same,
+    }
+
+
+def fleet_probes(inject: str | None) -> dict[str, float]:
+    """The seeded fleet simulator at a small scale (simulated time, so the figures do not depend on the machine)."""
+    import placement.policies as policies
+    from bench.fleet_sim import experiments as ex
+
+    scale = ex.Scale(replicas=4, concurrency=96, duration=30.0, warmup=10.0, grpo_samples=64, grpo_steps=1)
+    real = policies.CacheAware
+    if inject == "round-robin":  # the product's cache-aware policy silently routing round-robin
+        policies.CacheAware = lambda replicas, *_, **__: policies.RoundRobin(replicas)  # type: ignore[assignment,misc]
+    try:
+        ag = ex.agentic(scale, ("round_robin", "cache_aware", "oracle"))
+        gr = ex.grpo(scale, 8, ("cache_aware",))
+    finally:
+        policies.CacheAware = real  # type: ignore[misc]
+    rr, ca, orc = ag["round_robin"], ag["cache_aware"], ag["oracle"]
+    return {
+        "fleet.agentic_cache_aware_over_round_robin_tput": ca.throughput / rr.throughput,
+        "fleet.agentic_cache_aware_hit_over_oracle": ca.hit_ratio / orc.hit_ratio,
+        "fleet.grpo8_cache_aware_prompt_prefills_per_group": gr["cache_aware"][1],
+    }
+
+
 def fast_figures(inject: str | None) -> dict[str, float]:
     figures = asyncio.run(embedded_probes(inject))
-    # Seeded figures other benchmarks expose cheaply (imported lazily; absent modules are skipped).
-    for module in ("bench.fleet_sim.gate", "bench.speculation_gate"):
-        try:
-            mod = __import__(module, fromlist=["fast_figures"])
-        except ModuleNotFoundError:
-            continue
-        figures.update(mod.fast_figures())
+    figures.update(fleet_probes(inject))
     return figures
 
 
-def recorded_figures() -> dict[str, float]:
-    """Figures from the JSON written by the last full benchmark run, as ``<benchmark>.<figure>``."""
+def recorded_figures(only: list[str] | None = None) -> dict[str, float]:
+    """Same-run ratios from the last full benchmark run (``bench/results/*.json``), as ``<benchmark>.<ratio>``."""
     figures: dict[str, float] = {}
-    for path in sorted((BENCH / "out").glob("*.json")):
+    for path in sorted((BENCH / "results").glob("*.json")):
         payload = json.loads(path.read_text())
-        for key, value in payload.get("figures", {}).items():
+        if only and payload["benchmark"] not in only:
+            continue
+        for key, value in payload.get("ratios", {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 figures[f"{payload['benchmark']}.{key}"] = float(value)
     return figures
 
 
-def main() -> int:
+def spread(runs: list[dict[str, float]]) -> str:
+    rows = [("figure", "min", "max", "spread")]
+    for name in sorted(runs[0]):
+        values = [r[name] for r in runs]
+        rows.append((name, f"{min(values):.6g}", f"{max(values):.6g}", f"{max(values) - min(values):.3g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", action="store_true", help="run the deterministic probes (what make test runs)")
-    parser.add_argument("--inject", choices=INJECTIONS, help="deliberately break the engine (to test the gate)")
+    parser.add_argument("--inject", choices=INJECTIONS, help="deliberately break the product (to test the gate)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the fast probes N times, print the spread")
+    parser.add_argument("--only", nargs="+", metavar="BENCH", help="full gate: only these benchmarks' figures")
     parser.add_argument("--write-baselines", action="store_true", help="print the measured figures as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    figures = fast_figures(args.inject) if args.fast else recorded_figures()
-    if args.write_baselines:
-        print(json.dumps({k: round(v, 6) for k, v in sorted(figures.items())}, indent=2))
-        return 0
     baselines = json.loads(BASELINES.read_text())
     section = baselines["fast" if args.fast else "full"]
-    verdicts = check(figures, section)
-    print(table(verdicts))
-    failed = [v for v in verdicts if not v.ok]
+    if args.only:
+        section = {k: v for k, v in section.items() if k.split(".", 1)[0] in args.only}
+    runs = [fast_figures(args.inject) if args.fast else recorded_figures(args.only) for _ in range(args.repeat)]
+    if args.write_baselines:
+        print(json.dumps({k: round(v, 6) for k, v in sorted(runs[-1].items())}, indent=2))
+        return 0
+    failed: set[str] = set()
+    for i, figures in enumerate(runs, 1):
+        verdicts = check(figures, section)
+        if args.repeat > 1:
+            print(f"\n-- run {i}/{args.repeat}")
+        print(table(verdicts))
+        failed |= {v.figure for v in verdicts if not v.ok}
+    if args.repeat > 1:
+        print(f"\nspread over {args.repeat} runs:\n{spread(runs)}")
     if failed:
-        names = ", ".join(v.figure for v in failed)
-        print(f"\nperformance gate FAILED: {len(failed)} figure(s) regressed: {names}", file=sys.stderr)
+        print(
+            f"\nperformance gate FAILED: {len(failed)} figure(s) regressed: {', '.join(sorted(failed))} "
+            f"(baselines: {BASELINES.relative_to(BENCH.parent)}; see the table above)",
+            file=sys.stderr,
+        )
         return 1
-    print(f"\nperformance gate passed ({len(verdicts)} figures)")
+    print(f"\nperformance gate passed ({len(section)} figures)")
     return 0
 
 

@@ -130,6 +130,7 @@ async def main() -> None:
         rows,
         {"first_wave": first, "soak_rss_mib": soak, "soak_errors": soak_errors},
         "Bridge in its own process, one client process with all episodes on one channel; same machine.",
+        ratios={"errors": soak_errors, "p99_over_p50": first["p99_ms"] / first["p50_ms"]},
     )
 
 

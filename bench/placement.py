@@ -163,6 +163,12 @@ def main(n: int, exact_limit_s: float) -> None:
             "Planning only (analytical throughput model, docs/placement.md); the whole-GPU baseline is the ILP "
             "restricted to MIG-disabled GPUs, i.e. the best whole-GPU placement, so the gain is conservative."
         ),
+        ratios={
+            "heuristic_gap_mean": g["gap_mean"],
+            "heuristic_within_2pct_share": g["within_2pct"] / g["instances"],
+            "mig_ilp_over_whole_gpu_tput": gain["mig_exact_tps"] / gain["whole_tps"],
+            "mig_heuristic_over_whole_gpu_tput": gain["mig_heur_tps"] / gain["whole_tps"],
+        },
     )
 
 

@@ -56,7 +56,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     token.add_argument("tenant", help="tenant the token belongs to")
     token.add_argument("--new", action="store_true", help="generate a random token (printed once, on stderr)")
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="run the benchmark matrix from a source checkout (bench/matrix.py; `primerl bench --help`)",
+    )
     return parser
+
+
+def _bench(argv: list[str]) -> int:
+    """``primerl bench``: the matrix lives in the checkout's bench/ (not installed); run it from there."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "matrix.py").is_file():
+        print(
+            f"primerl bench: no bench/matrix.py next to {root / 'server'}; run it from a source checkout "
+            "installed with `pip install -e .`",
+            file=sys.stderr,
+        )
+        return 2
+    return subprocess.call([sys.executable, "-m", "bench.matrix", *argv], cwd=root)
 
 
 def _hash_token(args: argparse.Namespace) -> int:
@@ -80,6 +101,9 @@ def _hash_token(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own flags (bench/matrix.py), passed through
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "placement":
         return run_placement(args)

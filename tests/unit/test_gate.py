@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from bench.gate import BASELINES, check, table
 
@@ -34,3 +35,61 @@ def test_committed_baselines_are_well_formed() -> None:
         for name, spec in section.items():
             assert spec["better"] in ("lower", "higher"), name
             assert spec["tolerance"] >= 0 and "why" in spec, name
+
+
+def test_the_fleet_probes_pass_and_an_injected_round_robin_fails_them() -> None:
+    """The seeded simulator figures in the fast gate: unchanged code passes; cache-aware made round-robin fails."""
+    from bench.gate import fleet_probes
+
+    fast = json.loads(Path(BASELINES).read_text())["fast"]
+    fleet = {k: v for k, v in fast.items() if k.startswith("fleet.")}
+    assert fleet
+    assert all(v.ok for v in check(fleet_probes(None), fleet))
+    broken = check(fleet_probes("round-robin"), fleet)
+    assert not any(v.ok for v in broken)
+    assert "REGRESSED" in table(broken)
+
+
+def test_results_md_is_regenerated_from_the_json_and_keeps_the_run_log(tmp_path: Path, monkeypatch: Any) -> None:
+    from bench import report
+
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(report, "RESULTS_JSON", tmp_path / "results")
+    (tmp_path / "RESULTS.md").write_text("# Benchmark results\n\nold intro\n\n### Old run — 2026-01-01\n\n| a | b |\n")
+    (tmp_path / "results").mkdir()
+    payload = {
+        "benchmark": "fleet_sim",
+        "title": "Fleet simulator",
+        "date": "2026-11-23 01:00",
+        "machine": "test box",
+        "rows": [["cache_aware / round_robin", "2.10x", ">= 2x"]],
+        "ratios": {"agentic_cache_aware_over_round_robin_tput": 2.1},
+        "plots": ["plots/fleet_sim.png"],
+    }
+    (tmp_path / "results" / "fleet_sim.json").write_text(json.dumps(payload))
+    report.regenerate()
+    report.append_run("### New run — 2026-11-23\n")
+    report.regenerate()  # idempotent: the log is kept once, the summary rebuilt
+    text = (tmp_path / "RESULTS.md").read_text()
+    summary, log = text.split(report.END)
+    assert "| cache_aware / round_robin | 2.10x | >= 2x |" in summary
+    assert (
+        "`agentic_cache_aware_over_round_robin_tput` 2.1" in summary and "![fleet_sim](plots/fleet_sim.png)" in summary
+    )
+    assert log.count("### Old run") == 1 and log.count("### New run") == 1 and log.count("## Run log") == 1
+    assert log.index("### Old run") < log.index("### New run")
+    assert "old intro" not in text
+
+
+def test_primerl_bench_lists_the_matrix() -> None:
+    import subprocess
+    import sys
+
+    from bench.matrix import MATRIX
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "server", "bench", "--list"], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert [line.split()[0] for line in out.stdout.splitlines()] == [b.name for b in MATRIX]
+    bad = subprocess.run([sys.executable, "-m", "server", "bench", "--only", "nope"], cwd=root, capture_output=True)
+    assert bad.returncode == 2 and b"invalid choice" in bad.stderr

