@@ -204,5 +204,20 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
     if ready is not None:
         ready.set()
     await stop.wait()
-    log.info("shutting down: draining in-flight Steps for up to %.0f s", settings.server.grace_period_s)
+    log.info(
+        "shutting down: draining in-flight Steps for up to %.0f s (signal again to stop now)",
+        settings.server.grace_period_s,
+    )
+    began = loop.time()
+    pending: set[asyncio.Task[None]] = set()
+
+    def stop_now() -> None:  # an operator's second Ctrl-C / SIGTERM: cancel what is still running
+        log.warning("second signal: cancelling in-flight Steps now")
+        task = loop.create_task(bridge_server.server.stop(0))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop_now)
     await bridge_server.stop()
+    log.info("stopped after %.1f s", loop.time() - began)

@@ -9,12 +9,13 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rl_client import AsyncBridgeClient
-from rl_client.errors import FailedPreconditionError, NotFoundError, UnavailableError
+from rl_client.errors import BridgeError, FailedPreconditionError, NotFoundError, UnavailableError
 from tests.integration.redis_proc import PrivateRedis, free_port
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5]
@@ -70,28 +71,52 @@ async def test_redis_down_fails_open_or_closed_as_configured(start_bridge: Any, 
     assert not open_server.bridge.store.peek(ep)
 
 
-def _serve(redis: PrivateRedis, port: int, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    env = dict(
-        os.environ,
-        PRIMERL_PERSISTENCE__ENABLED="true",
-        PRIMERL_REDIS__URL=redis.url,
-        **(extra_env or {}),
-    )
-    cmd = [sys.executable, "-m", "server", "serve", "--engine", "toy", "--port", str(port), "--metrics-port", "0"]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+class _Bridge:
+    """A bridge in its own process (toy engine, persistence on); its log is kept for failure messages."""
+
+    def __init__(self, redis: PrivateRedis, port: int, log: Path, extra_env: dict[str, str] | None = None) -> None:
+        env = dict(
+            os.environ,
+            PRIMERL_PERSISTENCE__ENABLED="true",
+            PRIMERL_REDIS__URL=redis.url,
+            **(extra_env or {}),
+        )
+        cmd = [sys.executable, "-m", "server", "serve", "--engine", "toy", "--port", str(port), "--metrics-port", "0"]
+        self.log = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=out)
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        """The exit code; a process still running after ``timeout`` is killed and the test fails with its log."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"bridge still running {timeout:.0f} s after the signal; its log:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
 
 
-async def test_killed_bridge_episodes_resume_in_a_new_process(redis_server: PrivateRedis) -> None:
+async def test_killed_bridge_episodes_resume_in_a_new_process(redis_server: PrivateRedis, tmp_path: Path) -> None:
     port = free_port()
-    first = _serve(redis_server, port)
+    first = _Bridge(redis_server, port, tmp_path / "first.log")
     client = AsyncBridgeClient(f"127.0.0.1:{port}", timeout=30)
     try:
         await client.wait_until_ready(60)
         ep = (await client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
         turn1 = await client.step(ep)
-        first.send_signal(signal.SIGKILL)  # no drain, no goodbye
-        first.wait(10)
-        second = _serve(redis_server, port)
+        first.signal(signal.SIGKILL)  # no drain, no goodbye
+        first.wait(30)
+        second = _Bridge(redis_server, port, tmp_path / "second.log")
         try:
             await client.wait_until_ready(60)
             turn2 = await client.step(ep, [9])
@@ -99,20 +124,21 @@ async def test_killed_bridge_episodes_resume_in_a_new_process(redis_server: Priv
             assert traj.token_ids.tolist() == PROMPT + turn1.token_ids.tolist() + [9] + turn2.token_ids.tolist()
             assert [t.finish_reason for t in traj.turns] == ["length", "length"]
             assert traj.loss_mask.sum() == 12
+            second.signal(signal.SIGTERM)
+            assert second.wait(60) == 0
         finally:
-            second.terminate()
-            second.wait(30)
+            second.kill()
     finally:
         await client.close()
-        if first.poll() is None:
-            first.kill()
-            first.wait(10)
+        first.kill()
 
 
-async def test_sigterm_under_load_drains_steps_and_loses_no_trajectory(redis_server: PrivateRedis) -> None:
+async def test_sigterm_under_load_drains_steps_and_loses_no_trajectory(
+    redis_server: PrivateRedis, tmp_path: Path
+) -> None:
     port = free_port()
     env_slow = {"PRIMERL_ENGINE__TOY__TOKEN_DELAY_S": "0.01", "PRIMERL_SERVER__GRACE_PERIOD_S": "10"}
-    first = _serve(redis_server, port, env_slow)
+    first = _Bridge(redis_server, port, tmp_path / "first.log", env_slow)
     client = AsyncBridgeClient(f"127.0.0.1:{port}", timeout=60)
     try:
         await client.wait_until_ready(60)
@@ -120,21 +146,42 @@ async def test_sigterm_under_load_drains_steps_and_loses_no_trajectory(redis_ser
         eps = [(await client.start_episode(PROMPT, sampling=sampling)).episode_id for _ in range(20)]
         steps = [asyncio.create_task(client.step(ep)) for ep in eps]
         await asyncio.sleep(0.15)  # all 20 Steps are running
-        first.send_signal(signal.SIGTERM)
+        first.signal(signal.SIGTERM)
         turns = await asyncio.gather(*steps)  # every in-flight Step finishes within the grace period
         assert all(len(t.token_ids) == 40 and t.finish_reason == "length" for t in turns)
         assert first.wait(60) == 0  # drained well within the 10 s grace; generous for a loaded CI machine
-        second = _serve(redis_server, port)
+        second = _Bridge(redis_server, port, tmp_path / "second.log")
         try:
             await client.wait_until_ready(60)
             for ep, turn in zip(eps, turns, strict=True):  # ended through the new process: nothing lost
                 traj = await client.end_episode(ep)
                 assert traj.token_ids.tolist() == PROMPT + turn.token_ids.tolist()
+            second.signal(signal.SIGTERM)
+            assert second.wait(60) == 0
         finally:
-            second.terminate()
-            second.wait(30)
+            second.kill()
     finally:
         await client.close()
-        if first.poll() is None:
-            first.kill()
-            first.wait(10)
+        first.kill()
+
+
+async def test_a_second_sigterm_stops_the_drain_at_once(redis_server: PrivateRedis, tmp_path: Path) -> None:
+    port = free_port()
+    env_slow = {"PRIMERL_ENGINE__TOY__TOKEN_DELAY_S": "0.05", "PRIMERL_SERVER__GRACE_PERIOD_S": "600"}
+    bridge = _Bridge(redis_server, port, tmp_path / "bridge.log", env_slow)
+    client = AsyncBridgeClient(f"127.0.0.1:{port}", timeout=60)
+    try:
+        await client.wait_until_ready(60)
+        ep = (await client.start_episode(PROMPT, sampling={"max_tokens": 4000, "ignore_eos": True})).episode_id
+        step = asyncio.create_task(client.step(ep))  # 200 s of tokens: would hold a 600 s drain
+        await asyncio.sleep(0.5)
+        bridge.signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        bridge.signal(signal.SIGTERM)  # the operator insists
+        assert bridge.wait(60) == 0
+        with pytest.raises(BridgeError):
+            await step
+        assert "second signal" in bridge.log_tail()
+    finally:
+        await client.close()
+        bridge.kill()
