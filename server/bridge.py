@@ -201,6 +201,9 @@ class Bridge:
             if isinstance(self.index, RedisIndex):
                 self._board = RedisLoadBoard(self.index, self.policy)
         self._routes: dict[str, tuple[Decision, str]] = {}  # episode id -> its current turn's route and salt
+        # Episode id -> (salt, block hashes of its history so far): histories are append-only (invariant 1),
+        # so each turn hashes only its new blocks instead of the whole history, twice.
+        self._chains: dict[str, tuple[str, list[int]]] = {}
         self._group_open: dict[str, int] = {}  # group key -> open members (to release the group's pin)
         self._inflight: dict[str, int] = {}  # tenant -> Steps running
         # Speculation (off by default): a drafter per turn for episodes with tools; engines verify exactly.
@@ -256,7 +259,10 @@ class Bridge:
         salt = self._salt(episode.tenant, episode.model)
         group = self._group_key(episode.tenant, episode.group_id) if episode.shares_prompt else ""
         history = [*episode.token_ids, *observation]
-        decision = await self.policy.choose(RouteRequest(episode.id, group, history, salt, len(history) + est_new))
+        hashes = self._hashes(episode.id, history, salt)
+        decision = await self.policy.choose(
+            RouteRequest(episode.id, group, history, salt, len(history) + est_new, hashes=hashes)
+        )
         self._routes[episode.id] = (decision, salt)
         old = episode.replica
         if decision.replica != old:
@@ -274,9 +280,18 @@ class Bridge:
                     await self.engines[old].release(episode.id)
         return decision
 
+    def _hashes(self, episode_id: str, token_ids: Sequence[int], salt: str) -> list[int]:
+        """Block hashes of an episode's (append-only) history: its cached chain, extended by the new blocks."""
+        cached = self._chains.get(episode_id)
+        prev = cached[1] if cached is not None and cached[0] == salt else []
+        hashes = self.fingerprinter.extend(prev, token_ids, salt)
+        self._chains[episode_id] = (salt, hashes)
+        return hashes
+
     async def _forget(self, episode: Episode) -> None:
         """Drop an ended episode's routing state (and its group's, with its last member)."""
         self._routes.pop(episode.id, None)
+        self._chains.pop(episode.id, None)
         await self.policy.release(episode_id=episode.id)
         key = self._group_key(episode.tenant, episode.group_id)
         left = self._group_open.get(key, 1) - 1
@@ -764,7 +779,7 @@ class Bridge:
         """Tell the routing index what the engine now holds (or, if the turn failed early, does not)."""
         decision, salt = route
         ok = turn.finish_reason != FinishReason.ABORT or turn.end > turn.generation_start
-        held = self.fingerprinter.hashes(episode.token_ids, salt) if ok else None
+        held = self._hashes(episode.id, episode.token_ids, salt) if ok else None
         await self.policy.on_engine_report(decision, turn.usage.cached_tokens, ok=ok, held_hashes=held)
         self.metrics.observe_index_lookup(self.info.model, turn.generation_start, decision.matched_tokens)
 

@@ -92,3 +92,20 @@ async def test_no_turn_is_credited_with_kv_of_older_weights(start_bridge: Any, r
     assert salt.endswith("@1") and old_hashes.isdisjoint(decision.hashes)
     await client.step(first, [9])  # a continuing episode is routed on version-1 keys as well
     assert old_hashes.isdisjoint(server.bridge._routes[first][0].hashes)
+
+
+async def test_turn_hashes_are_extended_per_episode_and_equal_a_full_recomputation(start_bridge: Any) -> None:
+    server, client = await start_bridge(engine={"replicas": 2}, cache={"block_size": 4})
+    bridge = server.bridge
+    ep = (await client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
+    for i, observation in enumerate([None, [9], [10, 11, 12], [9] * 7, [13, 14]]):
+        if i == 3:
+            assert await client.update_weights() == 1  # a new salt: the chain starts over
+        await client.step(ep, observation)
+        episode = bridge.store.peek(ep)
+        assert episode is not None
+        decision, salt = bridge._routes[ep]
+        history = episode.token_ids[: episode.turns[-1].generation_start]  # what the turn was routed on
+        assert list(decision.hashes) == bridge.fingerprinter.hashes(history, salt)
+        # Recorded under those keys; the next turn's check covers the chain extended over the sampled tokens.
+        assert bridge.index.lookup_now(decision.hashes).blocks.get(decision.replica) == len(decision.hashes)
