@@ -37,7 +37,8 @@ def _blocks(text: str) -> list[tuple[str, int, int]]:
     """(payload, start, end) of each ``<tool_call>`` block.
 
     A payload that parses as JSON ends where the JSON value ends, so a string argument may contain
-    ``</tool_call>`` (the grammar allows it); otherwise the block runs to the first end tag (or the end).
+    ``</tool_call>`` (the grammar allows it), and a turn cut by max_tokens inside the end tag (``</tool``)
+    still parses; otherwise the block runs to the first end tag (or the end).
     """
     out = []
     pos = 0
@@ -48,9 +49,10 @@ def _blocks(text: str) -> list[tuple[str, int, int]]:
         except json.JSONDecodeError:
             stop = -1
         tail = text[stop:].lstrip() if stop >= 0 else ""
-        if stop >= 0 and (tail.startswith(TOOL_CALL_END) or not tail):
-            end = len(text) - len(tail) + (len(TOOL_CALL_END) if tail else 0)
-            out.append((text[body:stop], start, end))
+        if stop >= 0 and tail.startswith(TOOL_CALL_END):
+            out.append((text[body:stop], start, len(text) - len(tail) + len(TOOL_CALL_END)))
+        elif stop >= 0 and TOOL_CALL_END.startswith(tail):  # the text ends here, maybe cut mid-tag (max_tokens)
+            out.append((text[body:stop], start, len(text)))
         else:
             m = _BLOCK_RE.match(text, start)
             assert m is not None  # the pattern matches from any begin tag

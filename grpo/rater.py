@@ -6,15 +6,15 @@ environment returned, the task's expected answer) to a float in [0, 1]. ``Rater`
 members by Pareto dominance over the objectives (``"pareto"``: 1.0 for the non-dominated front down to
 0.0 for the last front). Per-turn rewards come from ``turn_rewards``: the tool-trace score of each turn.
 
-Tool calls are parsed from ``<tool_call>...</tool_call>`` blocks whose payload is ``{"name", "arguments"}``
-or a JSON list of those (SmolLM2 writes lists); an unterminated block (the turn hit ``max_tokens``) is
-parsed as far as it goes. Arguments are validated against the tool's JSON schema (``jsonschema``).
+Tool calls are parsed by the Env Hub's parser (``envhub.loop.parse_tool_calls``: ``<tool_call>`` blocks
+whose payload is ``{"name", "arguments"}`` or a JSON list of those; an unterminated block is parsed as far
+as it goes), so training rewards read a turn exactly as the environment that ran it did. Arguments are
+validated against the tool's JSON schema (``jsonschema``).
 Invariant: no reward function raises for anything a model wrote.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,15 +22,12 @@ from typing import Any, Literal
 
 import jsonschema
 
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-END_MARKERS = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>")
+from envhub.grammar import TOOL_CALL_BEGIN
+from envhub.loop import parse_tool_calls as _env_parse
+from envhub.loop import strip_end_markers
+from envhub.types import ToolCall
+
 _NUMBER = r"-?\d+(?:\.\d+)?"
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,49 +59,16 @@ class Rollout:
 
 
 def strip_end(text: str) -> str:
-    text = text.rstrip()
-    for m in END_MARKERS:
-        if text.endswith(m):
-            text = text[: -len(m)].rstrip()
-    return text
-
-
-def _strip_partial_close(block: str) -> str:
-    """A block cut by max_tokens may end in a prefix of the closing tag (``</tool``): drop it."""
-    tail = block.rstrip()
-    for n in range(len("</tool_call>") - 1, 1, -1):
-        if tail.endswith("</tool_call>"[:n]):
-            return tail[:-n]
-    return block
+    """``text`` without trailing end-of-turn markers and whitespace."""
+    return strip_end_markers(text)
 
 
 def parse_tool_calls(text: str) -> ParsedTurn:
     """Parse every ``<tool_call>`` block of ``text`` (never raises)."""
-    blocks = [_strip_partial_close(b) for b in TOOL_CALL_RE.findall(strip_end(text))]
-    calls: list[ToolCall] = []
-    errors: list[str] = []
-    for raw in blocks:
-        try:
-            value = json.loads(raw.strip())
-        except json.JSONDecodeError as e:
-            errors.append(f"not valid JSON: {e.msg}")
-            continue
-        for entry in value if isinstance(value, list) else [value]:
-            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-                errors.append('not an object {"name": ..., "arguments": {...}}')
-                continue
-            args = entry.get("arguments", entry.get("parameters", {}))
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError:
-                    errors.append("arguments are a string that is not JSON")
-                    continue
-            if not isinstance(args, dict):
-                errors.append("arguments are not an object")
-                continue
-            calls.append(ToolCall(entry["name"], args))
-    return ParsedTurn(bool(blocks), tuple(calls), tuple(errors))
+    parsed = _env_parse(strip_end(text))
+    if parsed is None:
+        return ParsedTurn(False, (), ())
+    return ParsedTurn(True, parsed.calls, parsed.errors)
 
 
 def schema_errors(call: ToolCall, schemas: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -168,7 +132,7 @@ def tool_trace_reward(
 def final_answer(text: str) -> str | None:
     """The number after ``Answer:`` in the last turn, else None (a turn with a tool call is not an answer)."""
     t = strip_end(text)
-    if TOOL_CALL_RE.search(t):
+    if TOOL_CALL_BEGIN in t:
         return None
     m = re.search(r"answer\s*(?:is)?\s*[:=]?\s*(" + _NUMBER + ")", t, re.IGNORECASE)
     return m.group(1) if m else None

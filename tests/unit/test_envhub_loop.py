@@ -166,3 +166,16 @@ def test_a_string_argument_may_contain_the_end_tag() -> None:
     # Malformed JSON still ends at the first end tag, and an unterminated block runs to the end.
     bad = parse_tool_calls('<tool_call>{"name": oops}</tool_call> then <tool_call>{"name": "echo", "argu')
     assert bad is not None and len(bad.errors) == 2 and not bad.calls
+
+
+def test_a_turn_cut_inside_the_end_tag_still_parses() -> None:
+    """max_tokens may stop a turn after the JSON but inside ``</tool_call>``: the call is complete."""
+    for cut in ("", "</", "</tool", "</tool_call"):
+        text = 'ok <tool_call>{"name": "echo", "arguments": {"text": "hi"}}' + cut
+        parsed = parse_tool_calls(text)
+        assert parsed is not None and not parsed.errors, cut
+        assert [(c.name, c.arguments) for c in parsed.calls] == [("echo", {"text": "hi"})]
+        assert strip_tool_calls(text) == "ok"
+    # Text after the JSON that is not the end tag: the block runs to the end and is malformed.
+    bad = parse_tool_calls('<tool_call>{"name": "echo", "arguments": {}} </tool_cat')
+    assert bad is not None and bad.errors and not bad.calls
