@@ -16,6 +16,7 @@ distribution it was drawn from (``engines.sampling``).
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncGenerator, Sequence
 
 import numpy as np
@@ -103,6 +104,10 @@ class ToyEngine:
         banned = [PAD, BOS, SYSTEM, USER, ASSISTANT, TOOL, UNK]
         self._bigram[:, banned] = -np.inf
         self._bigram[:, END] += config.end_bias - self._bigram[:, END].mean()
+        # exp(bigram + trigram) = exp(bigram) * exp(trigram): plain sampling (temperature 1, no top-k/top-p)
+        # needs one product per token instead of add, max, subtract and exp.
+        self._exp_bigram = np.exp(self._bigram)
+        self._exp_trigram = np.exp(self._trigram)
         self._rng = np.random.default_rng(config.seed + 1)
         self._aborted: set[str] = set()
         self._version = 0
@@ -128,6 +133,17 @@ class ToyEngine:
         prev = history[-2] if len(history) > 1 else BOS
         return self._bigram[last] + self._trigram[(prev * 31 + last) % 997]
 
+    def _sample_plain(self, history: Sequence[int], rng: np.random.Generator) -> tuple[int, float]:
+        """``sample(self.logits(history), temperature 1)`` from the exp tables: the same distribution."""
+        last = history[-1] if history else BOS
+        prev = history[-2] if len(history) > 1 else BOS
+        weights = self._exp_bigram[last] * self._exp_trigram[(prev * 31 + last) % 997]
+        cdf = np.cumsum(weights)
+        token = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), cdf.shape[0] - 1)
+        while weights[token] == 0.0:  # a zero-width bucket can only be hit at its edge
+            token -= 1
+        return token, math.log(weights[token] / cdf[-1])
+
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         params = request.params
         rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
@@ -147,6 +163,7 @@ class ToyEngine:
         raw: list[float] = []
         origins: list[Origin] = []
         drafter = request.drafter
+        plain = params.temperature == 1.0 and params.top_k == 0 and params.top_p >= 1.0
         saved = 0  # tokens emitted beyond one per target forward (speculation)
         try:
             while produced < budget:
@@ -163,6 +180,9 @@ class ToyEngine:
                     drafter.feedback(len(draft), sum(o == Origin.DRAFT_ACCEPTED for _, _, o in emitted))  # type: ignore[union-attr]
                     self.counters.extra["spec_drafted"] = self.counters.extra.get("spec_drafted", 0) + len(draft)
                     saved += len(emitted) - 1
+                elif plain:
+                    token, logprob = self._sample_plain(history, rng)
+                    rows, emitted = [], [(token, logprob, Origin.SAMPLED)]
                 else:
                     logits = self.logits(history)
                     token, logprob = sample(logits, params, rng)
@@ -170,7 +190,7 @@ class ToyEngine:
                 stopped = False
                 for i, (token, logprob, origin) in enumerate(emitted):
                     if params.raw_logprobs:
-                        raw.append(raw_logprob(rows[i], token))
+                        raw.append(raw_logprob(rows[i], token) if rows else logprob)  # plain: raw = sampled
                     history.append(token)
                     ids.append(token)
                     logprobs.append(logprob)
@@ -222,6 +242,7 @@ class ToyEngine:
         """The toy "weights" are its seed: a new version perturbs the tables deterministically."""
         rng = np.random.default_rng([self.config.seed, update.policy_version])
         self._bigram = self._bigram + rng.normal(0.0, 0.5, size=self._bigram.shape)
+        self._exp_bigram = np.exp(self._bigram)
         self._version = update.policy_version
 
     async def release(self, episode_id: str) -> None:

@@ -59,3 +59,20 @@ def test_toy_tokenizer_round_trip() -> None:
     text = "what is the answer"
     assert tok.decode(tok.encode(text)) == text
     assert len(tok.vocab) == 512
+
+
+async def test_toy_plain_sampling_equals_the_general_path_before_and_after_a_weight_update() -> None:
+    """The toy's fast path (exp tables) draws the same tokens with the same logprobs as ``sample(logits)``."""
+    from engines.types import WeightUpdate
+
+    engine = ToyEngine(ToyConfig())
+    params = SamplingParams(temperature=1.0)
+    histories = [[], [1], *([1, 4, int(t), int(u)] for t, u in np.random.default_rng(3).integers(8, 512, (300, 2)))]
+    for version in (0, 1):
+        if version:
+            await engine.update_weights(WeightUpdate(checkpoint_path="", policy_version=1))
+        fast, general = np.random.default_rng(7), np.random.default_rng(7)
+        for history in histories:
+            token, logprob = engine._sample_plain(history, fast)
+            want_token, want_logprob = sample(engine.logits(history), params, general)
+            assert token == want_token and logprob == pytest.approx(want_logprob, abs=1e-9)
