@@ -182,6 +182,14 @@ async def test_a_second_sigterm_stops_the_drain_at_once(redis_server: PrivateRed
         with pytest.raises(BridgeError):
             await step
         assert "second signal" in bridge.log_tail()
+        again = _Bridge(redis_server, port, tmp_path / "again.log")
+        try:
+            await client.wait_until_ready(60)
+            traj = await client.end_episode(ep)  # the cut turn was kept: partial tokens, finish reason abort
+            assert [t.finish_reason for t in traj.turns] == ["abort"]
+            assert 0 < len(traj.token_ids) - len(PROMPT) < 4000
+        finally:
+            again.kill()
     finally:
         await client.close()
         bridge.kill()
