@@ -211,23 +211,30 @@ class MemoryIndex:
     def lookup_now(self, hashes: Sequence[int]) -> Match:
         self.stats.lookups += 1
         now = self.clock()
+        n = len(hashes)
+        if not n:
+            return Match({}, True, 0)
+        first = self._holders.get(hashes[0])
+        alive = {r for r, e in first.items() if e.until == 0.0 or e.until > now} if first else set()
         matched: dict[int, int] = {}
-        alive: set[int] | None = None
         i = 0
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
-            live = {r for r, e in holders.items() if e.until == 0.0 or e.until > now} if holders else set()
-            nxt = live if alive is None else alive & live
-            for r in (alive or set()) - nxt:
-                matched[r] = i
-            alive = nxt
-            if not alive:
-                break
-        else:
-            i = len(hashes)
-        for r in alive or ():
+        if alive:
+            # Only the replicas still matching are checked per block: O(blocks x matching replicas).
+            for i in range(1, n):
+                holders = self._holders.get(hashes[i])
+                if holders is None:
+                    break
+                gone = [r for r in alive if (e := holders.get(r)) is None or (e.until != 0.0 and e.until <= now)]
+                for r in gone:
+                    matched[r] = i
+                    alive.discard(r)
+                if not alive:
+                    break
+            else:
+                i = n
+        for r in alive:
             matched[r] = i
-        return Match({r: b for r, b in matched.items() if b > 0}, True, min(i + 1, len(hashes)))
+        return Match({r: b for r, b in matched.items() if b > 0}, True, min(i + 1, n))
 
     def record_now(self, replica: int, hashes: Sequence[int]) -> None:
         self._write(replica, hashes, True)

@@ -187,7 +187,9 @@ class Bridge:
         cache = cache or CacheConfig()
         routing = routing or RoutingConfig()
         self.fingerprinter = Fingerprinter(cache.block_size, cache.hash_algo)
-        self.index = make_index(cache, redis_url) if cache.enabled else None
+        # One replica leaves nothing to route: no index to look up and write on every turn (the engine
+        # still reports its own cached tokens, so hit metrics come from it).
+        self.index = make_index(cache, redis_url) if cache.enabled and len(self.engines) > 1 else None
         if self.index is not None:
             for r in range(len(self.engines)):
                 self.index.set_capacity(r, cache.capacity_for(0))
@@ -259,7 +261,7 @@ class Bridge:
         salt = self._salt(episode.tenant, episode.model)
         group = self._group_key(episode.tenant, episode.group_id) if episode.shares_prompt else ""
         history = [*episode.token_ids, *observation]
-        hashes = self._hashes(episode.id, history, salt)
+        hashes = self._hashes(episode.id, history, salt) if self.index is not None else None
         decision = await self.policy.choose(
             RouteRequest(episode.id, group, history, salt, len(history) + est_new, hashes=hashes)
         )
@@ -752,7 +754,7 @@ class Bridge:
                 self._close(turn, FinishReason.ABORT, last.usage if last else None)
                 await asyncio.shield(engine.abort(request.request_id))
             await stream.aclose()
-            if route is not None and route[0].replica == replica:
+            if route is not None and route[0].replica == replica and self.index is not None:
                 await asyncio.shield(self._report(episode, turn, route))
 
     def _tool_grammar(self, episode: Episode) -> tuple[bool, Any]:
