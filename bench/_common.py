@@ -43,7 +43,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_bridge(*args: str) -> tuple[subprocess.Popen[bytes], int]:
+def start_bridge(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """A bridge process on a free port (``env``: extra PRIMERL_* settings); returns it and the port."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -57,7 +58,7 @@ def start_bridge(*args: str) -> tuple[subprocess.Popen[bytes], int]:
         "--log-level",
         "WARNING",
     ]
-    return subprocess.Popen([*cmd, *args], cwd=BENCH.parent), port
+    return subprocess.Popen([*cmd, *args], cwd=BENCH.parent, env={**os.environ, **(env or {})}), port
 
 
 def record(

@@ -3,9 +3,13 @@
 Measured in one run on one machine, as differences/ratios against the in-process baseline:
 - p50/p99 added latency of a non-streamed 16-token Step (target <= 1 ms p50);
 - added time per streamed token, over 256-token streamed Steps (target <= 30 us);
-- Steps/s with 64 concurrent episodes on one bridge process (target >= 2,000).
+- Steps/s with 64 concurrent episodes on one bridge process (target >= 2,000), with one engine replica and
+  with two (cache-aware routing through the prefix index on every turn).
 
-The bridge runs in its own process (as in production); the client is this process.
+The same Step against a bare gRPC server (bench/grpc_floor.py: same method, same proto, answers at once) is
+the floor any Python gRPC service pays on this machine; its latency and Steps/s are reported beside the
+bridge's, and the ratios to it are gated. The bridge and the floor each run in their own process (as in
+production); the client is this process.
 """
 
 from __future__ import annotations
@@ -13,19 +17,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import pct, record, start_bridge
+from bench._common import free_port, pct, record, start_bridge
 from engines.config import ToyConfig
 from engines.toy import ToyEngine
 from engines.types import GenerateRequest, SamplingParams
 from rl_client import AsyncBridgeClient
+from rl_client.errors import UnavailableError
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5]
+TURNS_PER_EPISODE = 32  # then a fresh episode: histories stay under 600 tokens
 
 
 async def direct(n: int, tokens: int) -> list[float]:
@@ -62,29 +69,79 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def throughput(client: AsyncBridgeClient, episodes: int, seconds: float, pid: int) -> tuple[float, float]:
+async def throughput(
+    client: AsyncBridgeClient, episodes: int, seconds: float, pid: int, turns: int = TURNS_PER_EPISODE
+) -> tuple[float, float]:
+    """(Steps/s, Steps per bridge CPU-second) with ``episodes`` in flight; each runs ``turns`` turns, then a
+    fresh one takes its place (bounded histories, as in RL rollouts; StartEpisode calls are not counted)."""
     sampling = {"max_tokens": 16, "ignore_eos": True}
-    ids = [(await client.start_episode(PROMPT, sampling=sampling)).episode_id for _ in range(episodes)]
     done = 0
     stop = time.perf_counter() + seconds
 
-    async def worker(ep: str) -> None:
+    async def worker() -> None:
         nonlocal done
         while time.perf_counter() < stop:
-            await client.step(ep, [9])
-            done += 1
+            ep = (await client.start_episode(PROMPT, sampling=sampling)).episode_id
+            for _ in range(turns):
+                if time.perf_counter() >= stop:
+                    break
+                await client.step(ep, [9])
+                done += 1
+            await client.discard_episode(ep)
 
     cpu0, start = cpu_seconds(pid), time.perf_counter()
-    await asyncio.gather(*(worker(e) for e in ids))
+    await asyncio.gather(*(worker() for _ in range(episodes)))
     elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu0
-    for e in ids:
-        await client.discard_episode(e)
     return done / elapsed, done / cpu
+
+
+def start_floor() -> tuple[subprocess.Popen[bytes], int]:
+    """bench/grpc_floor.py in its own process: the bare gRPC cost of a Step on this machine."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.grpc_floor", "--port", str(port)]
+    return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1]), port
+
+
+async def floor(n: int, seconds: float) -> tuple[list[float], float, float]:
+    """(sequential Step latencies, Steps/s and Steps per server CPU-second with 64 in flight) on the floor."""
+    proc, port = start_floor()
+    try:
+        async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
+            for _ in range(300):  # until it listens (it has no health service)
+                try:
+                    await client.step("floor")
+                    break
+                except UnavailableError:
+                    await asyncio.sleep(0.1)
+            for _ in range(20):
+                await client.step("floor")
+            lat = []
+            for _ in range(n):
+                start = time.perf_counter()
+                await client.step("floor")
+                lat.append(time.perf_counter() - start)
+            done = 0
+            stop = time.perf_counter() + seconds
+
+            async def worker() -> None:
+                nonlocal done
+                while time.perf_counter() < stop:
+                    await client.step("floor", [9])
+                    done += 1
+
+            cpu0, start = cpu_seconds(proc.pid), time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(64)))
+            elapsed, cpu = time.perf_counter() - start, cpu_seconds(proc.pid) - cpu0
+            return lat, done / elapsed, done / cpu
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 async def main(n: int, seconds: float) -> None:
     base16 = await direct(n, 16)
     base256 = await direct(max(20, n // 10), 256)
+    floor16, floor_per_s, floor_per_cpu_s = await floor(n, seconds)
     proc, port = start_bridge("--engine", "toy")
     try:
         async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
@@ -96,16 +153,39 @@ async def main(n: int, seconds: float) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+    # Two replicas: every turn is routed through the prefix index (cache-aware), as in a fleet.
+    proc, port = start_bridge("--engine", "toy", env={"PRIMERL_ENGINE__REPLICAS": "2"})
+    try:
+        async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
+            await client.wait_until_ready(60)
+            routed_per_s, routed_per_cpu_s = await throughput(client, 64, seconds, proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(30)
     added_p50 = (pct(bridged16, 50) - pct(base16, 50)) * 1e3
     added_p99 = (pct(bridged16, 99) - pct(base16, 99)) * 1e3
     per_token = (pct(bridged256, 50) - pct(base256, 50)) / 256 * 1e6
+    floor_p50 = pct(floor16, 50)
     rows = [
         ("in-process 16-token turn p50", f"{pct(base16, 50) * 1e3:.3f} ms", "baseline"),
+        (
+            "bare gRPC Step p50 / p99 (floor server, no bridge)",
+            f"{floor_p50 * 1e3:.3f} / {pct(floor16, 99) * 1e3:.3f} ms",
+            "",
+        ),
         ("bridge 16-token Step p50 / p99", f"{pct(bridged16, 50) * 1e3:.3f} / {pct(bridged16, 99) * 1e3:.3f} ms", ""),
         ("added latency p50 / p99", f"{added_p50:.3f} / {added_p99:.3f} ms", "<= 1 ms p50"),
         ("added time per streamed token", f"{per_token:.1f} us", "<= 30 us"),
+        ("bridge Step p50 / bare gRPC Step p50", f"{pct(bridged16, 50) / floor_p50:.2f}x", ""),
+        (
+            "bare gRPC Steps/s, 64 in flight (wall clock) / per server CPU-second",
+            f"{floor_per_s:,.0f} / {floor_per_cpu_s:,.0f}",
+            "",
+        ),
         ("Steps/s, 64 concurrent episodes (wall clock)", f"{steps_per_s:,.0f}", ">= 2,000"),
         ("Steps per bridge CPU-second (one-core capacity)", f"{steps_per_cpu_s:,.0f}", ""),
+        ("Steps/s, 2 replicas, cache-aware routing (wall clock)", f"{routed_per_s:,.0f}", ""),
+        ("Steps per bridge CPU-second, 2 replicas", f"{routed_per_cpu_s:,.0f}", ""),
     ]
     figures = {
         "added_ms_p50": added_p50,
@@ -113,16 +193,25 @@ async def main(n: int, seconds: float) -> None:
         "added_us_per_streamed_token": per_token,
         "steps_per_s_64": steps_per_s,
         "steps_per_bridge_cpu_s": steps_per_cpu_s,
+        "steps_per_s_64_two_replicas": routed_per_s,
+        "steps_per_bridge_cpu_s_two_replicas": routed_per_cpu_s,
         "ratio_bridge_over_direct_p50": pct(bridged16, 50) / pct(base16, 50),
+        "grpc_floor_ms_p50": floor_p50 * 1e3,
+        "grpc_floor_steps_per_s_64": floor_per_s,
+        "grpc_floor_steps_per_server_cpu_s": floor_per_cpu_s,
     }
     record(
         "bridge_overhead",
         "Bridge overhead (toy engine)",
         rows,
         figures,
-        notes="Bridge in its own process, client in another, both on this machine's cores.",
+        notes="Bridge in its own process, client in another, both on this machine's cores. Throughput: "
+        f"64 episodes in flight, each {TURNS_PER_EPISODE} turns of 16 tokens, then a fresh one; one replica "
+        "(nothing to route) and two (each turn looked up and recorded in the prefix index).",
         ratios={
             "bridge_over_direct_p50": pct(bridged16, 50) / pct(base16, 50),
+            "bridge_over_grpc_floor_p50": pct(bridged16, 50) / floor_p50,
+            "bridge_cpu_efficiency_vs_grpc_floor": steps_per_cpu_s / floor_per_cpu_s,
             "bridge_over_direct_256_tokens_p50": pct(bridged256, 50) / pct(base256, 50),
         },
     )
