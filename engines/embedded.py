@@ -36,8 +36,7 @@ import itertools
 import logging
 import math
 import threading
-from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ import numpy as np
 
 from engines.chat import HFTokenizer
 from engines.config import EmbeddedConfig
-from engines.kvcache import cache_nbytes, fork, kv_tensors, new_cache
+from engines.kvcache import KVStore, Parked, cache_nbytes, common_prefix, fork, kv_tensors, new_cache
 from engines.sampling import raw_logprob, sample, verify
 from engines.types import (
     EngineCounters,
@@ -71,74 +70,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def _common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-@dataclass(slots=True)
-class _Parked:
-    """KV of an idle episode or a group prompt: it covers exactly ``ids``."""
-
-    ids: tuple[int, ...]
-    cache: DynamicCache
-    logits: torch.Tensor | None  # next-token logits after ``ids``, when known
-    salt: str
-    deferred: int  # tokens after ``ids`` that this engine sampled (their KV is decode work, not prefill)
-    nbytes: int
-
-
-class _KVStore:
-    """LRU map of parked KV bounded by bytes. Keys are ``("ep", id)`` or ``("grp", id)``. Thread-safe."""
-
-    def __init__(self, budget: int, counters: EngineCounters) -> None:
-        self.budget = budget
-        self._items: OrderedDict[tuple[str, str], _Parked] = OrderedDict()
-        self._lock = threading.Lock()
-        self._counters = counters
-        self.nbytes = 0
-
-    def put(self, key: tuple[str, str], item: _Parked) -> None:
-        with self._lock:
-            old = self._items.pop(key, None)
-            self.nbytes += item.nbytes - (old.nbytes if old else 0)
-            self._items[key] = item
-            while self.nbytes > self.budget and self._items:
-                evicted_key, evicted = self._items.popitem(last=False)
-                self.nbytes -= evicted.nbytes
-                self._counters.extra["kv_evictions"] = self._counters.extra.get("kv_evictions", 0) + 1
-                log.debug("evicted KV of %s %s (%d bytes)", *evicted_key, evicted.nbytes)
-            self._counters.extra["kv_bytes"] = self.nbytes
-
-    def take(self, key: tuple[str, str]) -> _Parked | None:
-        with self._lock:
-            item = self._items.pop(key, None)
-            if item is not None:
-                self.nbytes -= item.nbytes
-                self._counters.extra["kv_bytes"] = self.nbytes
-            return item
-
-    def peek(self, key: tuple[str, str]) -> _Parked | None:
-        with self._lock:
-            item = self._items.get(key)
-            if item is not None:
-                self._items.move_to_end(key)
-            return item
-
-    def clear(self, keep: Callable[[tuple[str, str]], bool] = lambda _: False) -> None:
-        with self._lock:
-            for key in [k for k in self._items if not keep(k)]:
-                self.nbytes -= self._items.pop(key).nbytes
-            self._counters.extra["kv_bytes"] = self.nbytes
-
-    def __contains__(self, key: tuple[str, str]) -> bool:
-        with self._lock:
-            return key in self._items
 
 
 @dataclass(slots=True, eq=False)
@@ -223,7 +154,7 @@ class EmbeddedEngine:
         )
         self.counters = EngineCounters(extra={"kv_bytes": 0, "kv_evictions": 0, "deferred_decode_tokens": 0})
         self._version = 0
-        self._store = _KVStore(config.kv_budget_bytes, self.counters)
+        self._store = KVStore(config.kv_budget_bytes, self.counters)
         self._group_members: dict[str, set[str]] = {}
         self._groups_lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"primerl-{replica}")
@@ -537,7 +468,7 @@ class EmbeddedEngine:
     def _acquire(self, seq: _Seq) -> None:
         """Give an admitted sequence the longest reusable KV: its episode's, else its group's prompt."""
         req = seq.request
-        entry: _Parked | None = None
+        entry: Parked | None = None
         if req.episode_id:
             entry = self._store.take(("ep", req.episode_id))
             if entry is not None and entry.salt != req.cache_salt:
@@ -545,14 +476,14 @@ class EmbeddedEngine:
         if entry is None and req.group_id:
             shared = self._store.peek(("grp", req.group_id))
             if shared is not None and shared.salt == req.cache_salt and seq.ids[: len(shared.ids)] == list(shared.ids):
-                entry = _Parked(shared.ids, fork(shared.cache), shared.logits, shared.salt, 0, shared.nbytes)
+                entry = Parked(shared.ids, fork(shared.cache), shared.logits, shared.salt, 0, shared.nbytes)
                 self.counters.extra["group_forks"] = self.counters.extra.get("group_forks", 0) + 1
         if req.group_id and req.episode_id:
             with self._groups_lock:
                 members = self._group_members.setdefault(req.group_id, set())
                 seq.share_prompt = entry is None and req.episode_id not in members
                 members.add(req.episode_id)
-        n = _common_prefix(entry.ids, seq.ids) if entry is not None else 0
+        n = common_prefix(entry.ids, seq.ids) if entry is not None else 0
         if entry is not None and n == len(seq.ids) and entry.logits is None:
             n -= 1  # the next token's logits are needed: recompute the last position
         if entry is not None and n > 0:
@@ -580,7 +511,7 @@ class EmbeddedEngine:
             return
         cache, seq.cache = seq.cache, None
         logits = seq.logits if seq.cached == len(seq.ids) else None
-        entry = _Parked(
+        entry = Parked(
             tuple(seq.ids[: seq.cached]),
             cache,
             logits,
@@ -609,7 +540,7 @@ class EmbeddedEngine:
         self.counters.forward_passes += 1
         req = seq.request
         if seq.share_prompt and ("grp", req.group_id) not in self._store:
-            prompt = _Parked(tuple(seq.ids), fork(seq.cache), seq.logits, req.cache_salt, 0, 0)
+            prompt = Parked(tuple(seq.ids), fork(seq.cache), seq.logits, req.cache_salt, 0, 0)
             prompt.nbytes = cache_nbytes(prompt.cache)
             self._store.put(("grp", req.group_id), prompt)
 

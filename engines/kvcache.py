@@ -5,6 +5,9 @@ step: at a 2k-token context that copy was 54% of a SmolLM2-135M decode step on C
 ``GrowingLayer`` keeps its keys/values in buffers with spare room and writes new positions in place; the model
 sees views of the filled part. Buffers grow by a quarter (at least ``SLACK`` tokens), so copies are amortised.
 
+``KVStore`` parks the caches of idle episodes and GRPO group prompts under a byte budget (LRU), so a later
+turn prefills only its new tokens.
+
 Everything else treats a layer as transformers does (``layer.keys`` / ``layer.values``): ``crop`` leaves a view
 of the same buffer (the next append overwrites the cropped tail, which only this cache references); a layer
 whose keys were replaced by other code adopts the new tensor as its buffer on the next append. Caches are never
@@ -14,12 +17,20 @@ shared between sequences: forks, packs and unpacks copy.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from engines.types import EngineCounters
 
 if TYPE_CHECKING:
     import torch
     from transformers.cache_utils import DynamicCache
+
+log = logging.getLogger(__name__)
 
 SLACK = 256  # tokens of spare room at least, per growth
 
@@ -104,3 +115,72 @@ def cache_nbytes(cache: DynamicCache) -> int:
 def fork(cache: DynamicCache) -> DynamicCache:
     """An independent copy (a group member continuing from the shared prompt)."""
     return new_cache(data=kv_tensors(cache))
+
+
+def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share (how much of a parked cache a sequence can reuse)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(slots=True)
+class Parked:
+    """KV of an idle episode or a group prompt: it covers exactly ``ids``."""
+
+    ids: tuple[int, ...]
+    cache: DynamicCache
+    logits: torch.Tensor | None  # next-token logits after ``ids``, when known
+    salt: str
+    deferred: int  # tokens after ``ids`` that this engine sampled (their KV is decode work, not prefill)
+    nbytes: int
+
+
+class KVStore:
+    """LRU map of parked KV bounded by bytes. Keys are ``("ep", id)`` or ``("grp", id)``. Thread-safe."""
+
+    def __init__(self, budget: int, counters: EngineCounters) -> None:
+        self.budget = budget
+        self._items: OrderedDict[tuple[str, str], Parked] = OrderedDict()
+        self._lock = threading.Lock()
+        self._counters = counters
+        self.nbytes = 0
+
+    def put(self, key: tuple[str, str], item: Parked) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            self.nbytes += item.nbytes - (old.nbytes if old else 0)
+            self._items[key] = item
+            while self.nbytes > self.budget and self._items:
+                evicted_key, evicted = self._items.popitem(last=False)
+                self.nbytes -= evicted.nbytes
+                self._counters.extra["kv_evictions"] = self._counters.extra.get("kv_evictions", 0) + 1
+                log.debug("evicted KV of %s %s (%d bytes)", *evicted_key, evicted.nbytes)
+            self._counters.extra["kv_bytes"] = self.nbytes
+
+    def take(self, key: tuple[str, str]) -> Parked | None:
+        with self._lock:
+            item = self._items.pop(key, None)
+            if item is not None:
+                self.nbytes -= item.nbytes
+                self._counters.extra["kv_bytes"] = self.nbytes
+            return item
+
+    def peek(self, key: tuple[str, str]) -> Parked | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+            return item
+
+    def clear(self, keep: Callable[[tuple[str, str]], bool] = lambda _: False) -> None:
+        with self._lock:
+            for key in [k for k in self._items if not keep(k)]:
+                self.nbytes -= self._items.pop(key).nbytes
+            self._counters.extra["kv_bytes"] = self.nbytes
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        with self._lock:
+            return key in self._items
