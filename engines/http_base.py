@@ -45,7 +45,7 @@ import json
 import logging
 import re
 import urllib.parse
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -330,33 +330,40 @@ class RemoteEngine:
         params: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         """One control call with bounded connect retries; raises a mapped error unless 2xx."""
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.config.retry_budget_s
-        delay = self.config.retry_backoff_s
-        attempt = 0
-        while True:
-            try:
-                response = await self._client.request(
+        try:
+            response = await self.connect(
+                lambda: self._client.request(
                     method,
                     path,
                     json=json_body,
                     params=params,
                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
                 )
-                break
+            )
+        except httpx.TimeoutException:
+            raise DeadlineExceeded(f"{self.label} did not answer {method} {path} in time") from None
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"{self.label} failed on {method} {path}: {exc!r}") from None
+        if response.status_code >= 300:
+            raise self.http_error(response.status_code, response.text, f"{method} {path}")
+        return response
+
+    async def connect(self, send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+        """``send()``, retried with exponential backoff while the engine refuses connections (at most
+        ``connect_retries`` times within ``retry_budget_s``); other httpx errors propagate to the caller."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.config.retry_budget_s
+        delay = self.config.retry_backoff_s
+        attempt = 0
+        while True:
+            try:
+                return await send()
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 attempt += 1
                 if attempt > self.config.connect_retries or loop.time() + delay > give_up_at:
                     raise self.unreachable(exc) from None
                 await asyncio.sleep(delay)
                 delay *= 2
-            except httpx.TimeoutException:
-                raise DeadlineExceeded(f"{self.label} did not answer {method} {path} in time") from None
-            except httpx.HTTPError as exc:
-                raise EngineUnavailable(f"{self.label} failed on {method} {path}: {exc!r}") from None
-        if response.status_code >= 300:
-            raise self.http_error(response.status_code, response.text, f"{method} {path}")
-        return response
 
     def unreachable(self, exc: Exception) -> EngineUnavailable:
         reason = str(exc) or type(exc).__name__
@@ -627,26 +634,17 @@ class _StreamContext:
 
     async def _open(self) -> httpx.Response:
         e = self.engine
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + e.config.retry_budget_s
-        delay = e.config.retry_backoff_s
-        attempt = 0
-        while True:
+
+        def send() -> Awaitable[httpx.Response]:
             request = e._client.build_request("POST", e.generate_path, json=self.payload, timeout=e._stream_timeout)
-            try:
-                self.response = await e._client.send(request, stream=True)
-                break
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                attempt += 1
-                if attempt > e.config.connect_retries or loop.time() + delay > give_up_at:
-                    raise e.unreachable(exc) from None
-                await asyncio.sleep(delay)
-                delay *= 2
-            except httpx.TimeoutException:
-                raise DeadlineExceeded(f"{e.label} did not start answering within {e._stream_timeout.read} s") from None
-            except httpx.HTTPError as exc:
-                raise EngineUnavailable(f"{e.label} failed before streaming: {exc or type(exc).__name__}") from None
-        response = self.response
+            return e._client.send(request, stream=True)
+
+        try:
+            self.response = response = await e.connect(send)
+        except httpx.TimeoutException:
+            raise DeadlineExceeded(f"{e.label} did not start answering within {e._stream_timeout.read} s") from None
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"{e.label} failed before streaming: {exc or type(exc).__name__}") from None
         if response.status_code != 200:
             try:
                 body = (await response.aread()).decode("utf-8", "replace")

@@ -23,18 +23,18 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from engines.http_base import Delta, RemoteEngine, StreamState
-from engines.types import FinishReason, GenerateRequest, Usage, WeightUpdate
-from engines.wire import finish_from_openai
-from server.errors import Aborted, Unimplemented
+from engines.openai_compat import OpenAICompletionsEngine
+from engines.types import GenerateRequest, WeightUpdate
+from server.errors import Unimplemented
 
 
-class TrtllmEngine(RemoteEngine):
+class TrtllmEngine(OpenAICompletionsEngine):
     """One trtllm-serve server (see module docstring)."""
 
     engine_name: ClassVar[str] = "trtllm"
     generate_path: ClassVar[str] = "/v1/completions"
     supports_weight_updates: ClassVar[bool] = False
+    missing_ids_hint: ClassVar[str] = "the server ignored detokenize=false"
 
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
         p = request.params
@@ -60,46 +60,6 @@ class TrtllmEngine(RemoteEngine):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-
-    def parse_event(self, data: Any, state: StreamState) -> Delta | None:
-        w = self.wire
-        body = w.obj(data, "chunk")
-        usage = self._usage(body.get("usage"))
-        choices = w.list_(body.get("choices"), "choices")
-        if not choices:
-            return Delta([], [], None, usage) if usage is not None else None
-        if len(choices) != 1:
-            raise w.fail("choices", f"has {len(choices)} entries for a request with n=1")
-        choice = w.obj(choices[0], "choices[0]")
-        if choice.get("token_ids") is None:
-            raise w.fail("choices[0].token_ids", "is missing: the server ignored detokenize=false")
-        ids = w.ids(choice["token_ids"], "choices[0].token_ids")
-        logprobs: list[float] = []
-        if ids:
-            lp = w.obj(choice.get("logprobs"), "choices[0].logprobs")
-            logprobs = w.logprobs(lp.get("token_logprobs"), "choices[0].logprobs.token_logprobs")
-        if len(logprobs) != len(ids):
-            raise w.fail("choices[0].logprobs.token_logprobs", f"has {len(logprobs)} entries for {len(ids)} token ids")
-        finish = finish_from_openai(choice.get("finish_reason"), w, "choices[0].finish_reason")
-        if finish == FinishReason.ABORT and not state.aborted:
-            raise Aborted(f"{self.label} aborted the request (finish_reason 'abort'; paused or shutting down?)")
-        return Delta(ids, logprobs, finish, usage)
-
-    def _usage(self, value: Any) -> Usage | None:
-        if value is None:
-            return None
-        w = self.wire
-        u = w.obj(value, "usage")
-        details = u.get("prompt_tokens_details")
-        cached = 0
-        if details is not None:
-            d = w.obj(details, "usage.prompt_tokens_details")
-            cached = w.optional_int(d.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens")
-        return Usage(
-            prompt_tokens=w.int_(u.get("prompt_tokens"), "usage.prompt_tokens"),
-            cached_tokens=cached,
-            generated_tokens=w.optional_int(u.get("completion_tokens"), "usage.completion_tokens"),
-        )
 
     async def update_weights(self, update: WeightUpdate) -> None:
         raise Unimplemented(

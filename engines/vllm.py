@@ -56,7 +56,8 @@ from typing import Any, ClassVar
 import httpx
 
 from engines.config import VllmConfig
-from engines.http_base import Delta, RemoteEngine, StreamState
+from engines.http_base import StreamState
+from engines.openai_compat import OpenAICompletionsEngine
 from engines.types import (
     FinishReason,
     GenerateRequest,
@@ -106,7 +107,7 @@ def check_weight_dir(path: str) -> Path:
     return d
 
 
-class VllmEngine(RemoteEngine):
+class VllmEngine(OpenAICompletionsEngine):
     """One vLLM server (see module docstring)."""
 
     engine_name: ClassVar[str] = "vllm"
@@ -144,31 +145,8 @@ class VllmEngine(RemoteEngine):
             "request_id": request.request_id,
         }
 
-    def parse_event(self, data: Any, state: StreamState) -> Delta | None:
-        w = self.wire
-        body = w.obj(data, "chunk")
-        usage = self._usage(body.get("usage"))
-        choices = w.list_(body.get("choices"), "choices")
-        if not choices:
-            return Delta([], [], None, usage) if usage is not None else None
-        if len(choices) != 1:
-            raise w.fail("choices", f"has {len(choices)} entries for a request with n=1")
-        choice = w.obj(choices[0], "choices[0]")
-        ids = self._token_ids(choice)
-        lp = choice.get("logprobs")
-        logprobs = (
-            w.logprobs(w.obj(lp, "choices[0].logprobs").get("token_logprobs"), "choices[0].logprobs.token_logprobs")
-            if ids
-            else []
-        )
-        if len(logprobs) != len(ids):
-            raise w.fail("choices[0].logprobs.token_logprobs", f"has {len(logprobs)} entries for {len(ids)} token ids")
-        finish = finish_from_openai(choice.get("finish_reason"), w, "choices[0].finish_reason")
-        if finish == FinishReason.ABORT and not state.aborted:
-            raise Aborted(f"{self.label} aborted the request (finish_reason 'abort'; paused or shutting down?)")
-        return Delta(ids, logprobs, finish, usage)
-
-    def _token_ids(self, choice: dict[str, Any]) -> list[int]:
+    def token_ids(self, choice: dict[str, Any]) -> list[int]:
+        """``choices[0].token_ids``; from older servers, the ids in ``logprobs.tokens`` (``token_id:N``)."""
         w = self.wire
         if choice.get("token_ids") is not None:
             return w.ids(choice["token_ids"], "choices[0].token_ids")
@@ -183,24 +161,6 @@ class VllmEngine(RemoteEngine):
                 raise w.fail(f"choices[0].logprobs.tokens[{i}]", f"is {t!r}, expected 'token_id:N'")
             out.append(int(t[9:]))
         return out
-
-    def _usage(self, value: Any) -> Usage | None:
-        if value is None:
-            return None
-        w = self.wire
-        u = w.obj(value, "usage")
-        details = u.get("prompt_tokens_details")
-        cached = 0
-        if details is not None:
-            cached = w.optional_int(
-                w.obj(details, "usage.prompt_tokens_details").get("cached_tokens"),
-                "usage.prompt_tokens_details.cached_tokens",
-            )
-        return Usage(
-            prompt_tokens=w.int_(u.get("prompt_tokens"), "usage.prompt_tokens"),
-            cached_tokens=cached,
-            generated_tokens=w.optional_int(u.get("completion_tokens"), "usage.completion_tokens"),
-        )
 
     # -- speculation (module docstring) ---------------------------------------------------------
 
@@ -362,7 +322,7 @@ class VllmEngine(RemoteEngine):
         if len(choices) != 1:
             raise w.fail("choices", f"has {len(choices)} entries for a request with n=1")
         choice = w.obj(choices[0], "choices[0]")
-        bonus = self._token_ids(choice)
+        bonus = self.token_ids(choice)
         bonus_lp = w.logprobs(
             w.obj(choice.get("logprobs"), "choices[0].logprobs").get("token_logprobs"),
             "choices[0].logprobs.token_logprobs",
@@ -413,7 +373,7 @@ class VllmEngine(RemoteEngine):
         return best[0], best[1], drafted_lp
 
     def _cached(self, body: dict[str, Any]) -> int:
-        usage = self._usage(body.get("usage"))
+        usage = self.parse_usage(body.get("usage"))
         return usage.cached_tokens if usage is not None else 0
 
     async def update_weights(self, update: WeightUpdate) -> None:
