@@ -2,9 +2,10 @@
 
 The gRPC layer (``server.service``) converts protobuf to these calls and back; everything
 here is testable without sockets. Data flow of one turn: validate everything first (nothing
-is written for a bad request) -> mark the episode busy -> append the observation -> stream the
-engine's tokens into the episode as they arrive -> close the turn (always, also on cancel,
-deadline or engine failure, with finish reason ABORT and the partial tokens kept).
+is written for a bad request) -> route the turn to a replica (``server.routing``) -> mark the
+episode busy -> append the observation -> stream the engine's tokens into the episode as they
+arrive -> close the turn (always, also on cancel, deadline or engine failure, with finish reason
+ABORT and the partial tokens kept) -> report what the engine now holds to the routing index.
 
 Episodes started with ``env`` run the env hub's tool loop server-side (``server.envsession``):
 one Step samples a turn, lets the environment handle it, and while the loop continues appends
@@ -16,7 +17,6 @@ covers the whole loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cache import CacheConfig, Fingerprinter, make_index
+from cache import CacheConfig
 from engines.base import Engine
 from engines.types import (
     FinishReason,
@@ -41,7 +41,7 @@ from engines.types import (
 )
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
-from placement.policies import Decision, RouteRequest, RoutingConfig, make_policy
+from placement.policies import RouteRequest, RoutingConfig
 from server.config import AdmissionConfig, SamplingDefaults
 from server.envsession import EnvOutcome, EnvSession, check_env_name, close_all, open_env_sessions
 from server.episodes import NAN, Episode, EpisodeStore, Turn
@@ -50,11 +50,11 @@ from server.errors import (
     EngineError,
     EpisodeBusy,
     InvalidArgument,
-    PrimeRLError,
     ResourceExhausted,
     Unimplemented,
 )
 from server.persistence import EpisodeJournal, PersistenceUnavailable
+from server.routing import Router
 from speculation.config import SpeculationConfig
 from speculation.factory import SpeculationFactory, record_masked_positions
 
@@ -182,31 +182,9 @@ class Bridge:
             max_tokens=min(defaults.max_tokens, admission.max_tokens_per_turn),
         )
         self.store = EpisodeStore(admission.max_episodes)
-        # Routing: each turn goes where its prefix is cached (placement.policies over the cache index),
-        # sticky per episode, a GRPO group on one replica; failed replicas are out of rotation.
-        cache = cache or CacheConfig()
-        routing = routing or RoutingConfig()
-        self.fingerprinter = Fingerprinter(cache.block_size, cache.hash_algo)
-        # One replica leaves nothing to route: no index to look up and write on every turn (the engine
-        # still reports its own cached tokens, so hit metrics come from it).
-        self.index = make_index(cache, redis_url) if cache.enabled and len(self.engines) > 1 else None
-        if self.index is not None:
-            for r in range(len(self.engines)):
-                self.index.set_capacity(r, cache.capacity_for(0))
-        policy = routing if self.index is not None else routing.model_copy(update={"policy": "sticky"})
-        self.policy = make_policy(policy, len(self.engines), self.index, self.fingerprinter)
-        self._board: Any = None  # bridges sharing a Redis index also share their in-flight load
-        if self.index is not None and redis_url:
-            from cache.loadboard import RedisLoadBoard
-            from cache.redis_index import RedisIndex
-
-            if isinstance(self.index, RedisIndex):
-                self._board = RedisLoadBoard(self.index, self.policy)
-        self._routes: dict[str, tuple[Decision, str]] = {}  # episode id -> its current turn's route and salt
-        # Episode id -> (salt, block hashes of its history so far): histories are append-only (invariant 1),
-        # so each turn hashes only its new blocks instead of the whole history, twice.
-        self._chains: dict[str, tuple[str, list[int]]] = {}
-        self._group_open: dict[str, int] = {}  # group key -> open members (to release the group's pin)
+        # Routing: each turn goes where its prefix is cached (server.routing), sticky per episode, a GRPO
+        # group on one replica; failed replicas are out of rotation.
+        self.router = Router(self.engines, cache or CacheConfig(), routing or RoutingConfig(), redis_url)
         self._inflight: dict[str, int] = {}  # tenant -> Steps running
         # Speculation (off by default): a drafter per turn for episodes with tools; engines verify exactly.
         self.speculation: SpeculationFactory | None = None
@@ -236,8 +214,7 @@ class Bridge:
 
     async def start(self) -> None:
         """Start background work (the shared load board of a Redis index)."""
-        if self._board is not None:
-            self._board.start()
+        self.router.start()
 
     def _salt(self, tenant: str, model: str) -> str:
         """Salt of prefix-cache keys: per tenant and per policy version (stale KV is never matched)."""
@@ -245,63 +222,17 @@ class Bridge:
 
     def mark_replica(self, replica: int, healthy: bool, reason: str = "") -> None:
         """Take a replica out of rotation (a call failed, a health check did) or bring it back."""
-        if self.policy.mark(replica, healthy):
-            name = self.engines[replica].info.replica
-            if healthy:
-                log.info("engine replica %s is healthy again: back in rotation", name)
-            else:
-                log.warning("engine replica %s taken out of rotation: %s", name, reason or "unhealthy")
+        self.router.mark(replica, healthy, reason)
 
-    async def _route_turn(self, episode: Episode, observation: Sequence[int], est_new: int) -> Decision:
-        """Choose the replica for the episode's next turn; move the episode there if it changed.
-
-        A move (its replica failed, or was too loaded to keep it) sends the exact token history
-        to the new replica, which recomputes what it does not have cached.
-        """
+    async def _route_turn(self, episode: Episode, observation: Sequence[int], est_new: int) -> None:
+        """Route the episode's next turn (it may move to another replica: server.routing)."""
         salt = self._salt(episode.tenant, episode.model)
         group = self._group_key(episode.tenant, episode.group_id) if episode.shares_prompt else ""
-        history = [*episode.token_ids, *observation]
-        hashes = self._hashes(episode.id, history, salt) if self.index is not None else None
-        decision = await self.policy.choose(
-            RouteRequest(episode.id, group, history, salt, len(history) + est_new, hashes=hashes)
-        )
-        self._routes[episode.id] = (decision, salt)
-        old = episode.replica
-        if decision.replica != old:
-            episode.replica = decision.replica
-            log.warning(
-                "episode %s moved from replica %s to %s (%s; %d tokens resubmitted)",
-                episode.id,
-                self.engines[old].info.replica,
-                self.engines[decision.replica].info.replica,
-                decision.reason,
-                len(history),
-            )
-            with contextlib.suppress(PrimeRLError, OSError, TimeoutError):  # the old replica may be down
-                async with asyncio.timeout(2.0):
-                    await self.engines[old].release(episode.id)
-        return decision
-
-    def _hashes(self, episode_id: str, token_ids: Sequence[int], salt: str) -> list[int]:
-        """Block hashes of an episode's (append-only) history: its cached chain, extended by the new blocks."""
-        cached = self._chains.get(episode_id)
-        prev = cached[1] if cached is not None and cached[0] == salt else []
-        hashes = self.fingerprinter.extend(prev, token_ids, salt)
-        self._chains[episode_id] = (salt, hashes)
-        return hashes
+        await self.router.route(episode, observation, est_new, salt, group)
 
     async def _forget(self, episode: Episode) -> None:
         """Drop an ended episode's routing state (and its group's, with its last member)."""
-        self._routes.pop(episode.id, None)
-        self._chains.pop(episode.id, None)
-        await self.policy.release(episode_id=episode.id)
-        key = self._group_key(episode.tenant, episode.group_id)
-        left = self._group_open.get(key, 1) - 1
-        if left > 0:
-            self._group_open[key] = left
-        else:
-            self._group_open.pop(key, None)
-            await self.policy.release(group_id=key)
+        await self.router.forget(episode.id, self._group_key(episode.tenant, episode.group_id))
 
     # -- validation ---------------------------------------------------------------------
 
@@ -426,8 +357,7 @@ class Bridge:
         if episode.replica >= len(self.engines):  # written by a bridge with more replicas: routing moves it
             episode.replica = 0
         if local is None:
-            key = self._group_key(episode.tenant, episode.group_id)
-            self._group_open[key] = self._group_open.get(key, 0) + 1
+            self.router.opened(self._group_key(episode.tenant, episode.group_id))
         self.store.add(episode)
 
     async def _lease(self, episode_id: str) -> bool:
@@ -488,7 +418,7 @@ class Bridge:
         route = RouteRequest(
             first_id, key if shared else "", prompt, self._salt(req.tenant, model), est, first_turn=True
         )
-        replica = (await self.policy.choose(route)).replica
+        replica = await self.router.place(route)
         version = self.engines[replica].policy_version
         ids = []
         for i in range(req.group_size):
@@ -509,7 +439,7 @@ class Bridge:
             episode.prompt_length = len(prompt)
             self.store.add(episode)
             ids.append(episode.id)
-        self._group_open[key] = self._group_open.get(key, 0) + req.group_size
+        self.router.opened(key, req.group_size)
         return StartResult(ids, group_id, version, self.info.engine, self.engines[replica].info.replica, len(prompt))
 
     async def step(self, req: StepRequest) -> AsyncIterator[StepUpdate]:
@@ -708,11 +638,10 @@ class Bridge:
             drafter=self._drafter(episode),
             constraint=self._constraint(episode),
         )
-        route = self._routes.get(episode.id)
-        matched = route[0].matched_tokens if route is not None and route[0].replica == episode.replica else 0
+        matched = self.router.matched_tokens(episode)
         load = len(request.token_ids) - matched + params.max_tokens  # in-flight work: uncached prefill + decode
         replica = episode.replica
-        self.policy.on_begin(replica, load)
+        self.router.begin(replica, load)
         last: TokenChunk | None = None
         stream = engine.generate(request)
         try:
@@ -747,15 +676,15 @@ class Bridge:
                 "tokens are kept in the episode"
             ) from None
         finally:
-            self.policy.on_end(replica, load)
+            self.router.end(replica, load)
             if request.constraint is not None:  # (again on the normal path: the merge is idempotent)
                 record_masked_positions(episode.metadata, request.constraint, len(episode.token_ids))
             if turn.finish_reason is None:  # cancelled, timed out or failed: keep what we have
                 self._close(turn, FinishReason.ABORT, last.usage if last else None)
                 await asyncio.shield(engine.abort(request.request_id))
             await stream.aclose()
-            if route is not None and route[0].replica == replica and self.index is not None:
-                await asyncio.shield(self._report(episode, turn, route))
+            if self.router.reports(episode, replica):
+                await asyncio.shield(self._report(episode, turn))
 
     def _tool_grammar(self, episode: Episode) -> tuple[bool, Any]:
         """(has tools, the env's grammar or None): speculation targets tool-call spans only."""
@@ -777,13 +706,10 @@ class Bridge:
         tools, grammar = self._tool_grammar(episode)
         return self.speculation.constraint(episode.tool_schemas, grammar) if tools else None
 
-    async def _report(self, episode: Episode, turn: Turn, route: tuple[Decision, str]) -> None:
-        """Tell the routing index what the engine now holds (or, if the turn failed early, does not)."""
-        decision, salt = route
-        ok = turn.finish_reason != FinishReason.ABORT or turn.end > turn.generation_start
-        held = self._hashes(episode.id, episode.token_ids, salt) if ok else None
-        await self.policy.on_engine_report(decision, turn.usage.cached_tokens, ok=ok, held_hashes=held)
-        self.metrics.observe_index_lookup(self.info.model, turn.generation_start, decision.matched_tokens)
+    async def _report(self, episode: Episode, turn: Turn) -> None:
+        """Tell the routing index what the engine now holds, and count what routing predicted."""
+        predicted = await self.router.report(episode, turn)
+        self.metrics.observe_index_lookup(self.info.model, turn.generation_start, predicted)
 
     def _close(self, turn: Turn, finish: FinishReason, usage: Usage | None) -> None:
         turn.finish_reason = finish
@@ -839,10 +765,7 @@ class Bridge:
         """Close the environments of episodes still open (at shutdown, after in-flight Steps drained)."""
         sessions, self._envs = list(self._envs.values()), {}
         await close_all(sessions)
-        if self._board is not None:
-            await self._board.stop()
-        if self.index is not None:
-            await self.index.close()
+        await self.router.close()
 
     async def update_weights(self, checkpoint_path: str, policy_version: int, keep_kv: bool, model: str = "") -> int:
         self._check_model(model)

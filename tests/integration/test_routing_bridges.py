@@ -50,13 +50,13 @@ async def test_turns_through_two_bridges_stay_on_one_replica(start_bridge: Any, 
 
 async def test_redis_killed_mid_run_fails_open_then_recovers(start_bridge: Any, redis_server: PrivateRedis) -> None:
     server, client = await start_bridge(**_shared(redis_server))
-    policy = server.bridge.policy
+    policy = server.bridge.router.policy
     ep = (await client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
     await client.step(ep)
     redis_server.kill()
     for _ in range(3):  # no RPC fails
         await client.step(ep, [9])
-    assert server.bridge.index.stats.fail_open > 0
+    assert server.bridge.router.index.stats.fail_open > 0
     assert server.metrics.fail_open.labels("persistence")._value.get() > 0
     redis_server.start()  # back, empty: cached prefixes steer routing again within a few backoff periods
     decision = None
@@ -65,7 +65,7 @@ async def test_redis_killed_mid_run_fails_open_then_recovers(start_bridge: Any, 
         await client.step(ep, [10])  # records the episode's blocks again
         other = (await client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
         await client.step(other)
-        decision, _ = server.bridge._routes[other]
+        decision, _ = server.bridge.router.routes[other]
         if decision.matched_tokens > 0:
             break
     assert decision is not None and decision.matched_tokens > 0, decision
@@ -79,19 +79,19 @@ async def test_no_turn_is_credited_with_kv_of_older_weights(start_bridge: Any, r
     for _ in range(20):  # index writes are asynchronous: wait until the first episode's blocks are credited
         warm = (await client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
         await client.step(warm)
-        if server.bridge._routes[warm][0].matched_tokens > 0:
+        if server.bridge.router.routes[warm][0].matched_tokens > 0:
             break
         await asyncio.sleep(0.1)
-    assert server.bridge._routes[warm][0].matched_tokens > 0  # same prompt, same weights: credited
-    old_hashes = set(server.bridge._routes[warm][0].hashes)
+    assert server.bridge.router.routes[warm][0].matched_tokens > 0  # same prompt, same weights: credited
+    old_hashes = set(server.bridge.router.routes[warm][0].hashes)
     assert await client.update_weights() == 1
     fresh = (await client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
     await client.step(fresh)
-    decision, salt = server.bridge._routes[fresh]
+    decision, salt = server.bridge.router.routes[fresh]
     # The same prompt hashes to new keys under the new version: no block computed under version 0 can match.
     assert salt.endswith("@1") and old_hashes.isdisjoint(decision.hashes)
     await client.step(first, [9])  # a continuing episode is routed on version-1 keys as well
-    assert old_hashes.isdisjoint(server.bridge._routes[first][0].hashes)
+    assert old_hashes.isdisjoint(server.bridge.router.routes[first][0].hashes)
 
 
 async def test_turn_hashes_are_extended_per_episode_and_equal_a_full_recomputation(start_bridge: Any) -> None:
@@ -104,8 +104,8 @@ async def test_turn_hashes_are_extended_per_episode_and_equal_a_full_recomputati
         await client.step(ep, observation)
         episode = bridge.store.peek(ep)
         assert episode is not None
-        decision, salt = bridge._routes[ep]
+        decision, salt = bridge.router.routes[ep]
         history = episode.token_ids[: episode.turns[-1].generation_start]  # what the turn was routed on
-        assert list(decision.hashes) == bridge.fingerprinter.hashes(history, salt)
+        assert list(decision.hashes) == bridge.router.fingerprinter.hashes(history, salt)
         # Recorded under those keys; the next turn's check covers the chain extended over the sampled tokens.
-        assert bridge.index.lookup_now(decision.hashes).blocks.get(decision.replica) == len(decision.hashes)
+        assert bridge.router.index.lookup_now(decision.hashes).blocks.get(decision.replica) == len(decision.hashes)
