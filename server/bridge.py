@@ -41,7 +41,7 @@ from engines.types import (
 )
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
-from placement.policies import RouteRequest, RoutingConfig
+from placement.policies import Decision, RouteRequest, RoutingConfig
 from server.config import AdmissionConfig, SamplingDefaults
 from server.envsession import EnvOutcome, EnvSession, check_env_name, close_all, open_env_sessions
 from server.episodes import NAN, Episode, EpisodeStore, Turn
@@ -638,7 +638,8 @@ class Bridge:
             drafter=self._drafter(episode),
             constraint=self._constraint(episode),
         )
-        matched = self.router.matched_tokens(episode)
+        route = self.router.current(episode)  # reported to the index when the turn ends
+        matched = route[0].matched_tokens if route is not None else 0
         load = len(request.token_ids) - matched + params.max_tokens  # in-flight work: uncached prefill + decode
         replica = episode.replica
         self.router.begin(replica, load)
@@ -683,8 +684,8 @@ class Bridge:
                 self._close(turn, FinishReason.ABORT, last.usage if last else None)
                 await asyncio.shield(engine.abort(request.request_id))
             await stream.aclose()
-            if self.router.reports(episode, replica):
-                await asyncio.shield(self._report(episode, turn))
+            if route is not None and self.router.index is not None:
+                await asyncio.shield(self._report(episode, turn, route))
 
     def _tool_grammar(self, episode: Episode) -> tuple[bool, Any]:
         """(has tools, the env's grammar or None): speculation targets tool-call spans only."""
@@ -706,9 +707,9 @@ class Bridge:
         tools, grammar = self._tool_grammar(episode)
         return self.speculation.constraint(episode.tool_schemas, grammar) if tools else None
 
-    async def _report(self, episode: Episode, turn: Turn) -> None:
+    async def _report(self, episode: Episode, turn: Turn, route: tuple[Decision, str]) -> None:
         """Tell the routing index what the engine now holds, and count what routing predicted."""
-        predicted = await self.router.report(episode, turn)
+        predicted = await self.router.report(episode, turn, route)
         self.metrics.observe_index_lookup(self.info.model, turn.generation_start, predicted)
 
     def _close(self, turn: Turn, finish: FinishReason, usage: Usage | None) -> None:

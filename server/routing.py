@@ -109,10 +109,10 @@ class Router:
                 async with asyncio.timeout(2.0):
                     await self.engines[old].release(episode.id)
 
-    def matched_tokens(self, episode: Episode) -> int:
-        """Prefix tokens the index credited to the episode's replica for its current turn."""
+    def current(self, episode: Episode) -> tuple[Decision, str] | None:
+        """The route of the episode's current turn, if it was routed to the replica the episode is on."""
         route = self.routes.get(episode.id)
-        return route[0].matched_tokens if route is not None and route[0].replica == episode.replica else 0
+        return route if route is not None and route[0].replica == episode.replica else None
 
     def begin(self, replica: int, load: int) -> None:
         self.policy.on_begin(replica, load)
@@ -120,15 +120,12 @@ class Router:
     def end(self, replica: int, load: int) -> None:
         self.policy.on_end(replica, load)
 
-    def reports(self, episode: Episode, replica: int) -> bool:
-        """Whether the turn that ran on ``replica`` has something to tell the index."""
-        route = self.routes.get(episode.id)
-        return self.index is not None and route is not None and route[0].replica == replica
-
-    async def report(self, episode: Episode, turn: Turn) -> int:
-        """Tell the index what the engine now holds (or, if the turn failed early, does not); returns the
-        prefix tokens that routing predicted were cached."""
-        decision, salt = self.routes[episode.id]
+    async def report(self, episode: Episode, turn: Turn, route: tuple[Decision, str]) -> int:
+        """Tell the index what the engine now holds after a turn routed by ``route`` (or, if the turn failed
+        early, what it does not); returns the prefix tokens routing predicted were cached."""
+        decision, salt = route
+        if self.index is None:
+            return 0
         ok = turn.finish_reason != FinishReason.ABORT or turn.end > turn.generation_start
         held = self._hashes(episode.id, episode.token_ids, salt) if ok else None
         await self.policy.on_engine_report(decision, turn.usage.cached_tokens, ok=ok, held_hashes=held)
