@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +36,7 @@ from server.telemetry import TelemetryInterceptor
 log = logging.getLogger("primerl.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrimeRL"].full_name
+STUCK_EXIT_S = 30.0  # serve(): a shutdown this long past the grace period exits the process
 
 
 @dataclass
@@ -48,6 +51,7 @@ class BridgeServer:
     _health_poll: asyncio.Task[None] | None = None
     _serving: bool | None = None
     _stopping: bool = False
+    stop_phase: str = "serving"  # what stop() is doing (named in the log if a shutdown hangs)
 
     @property
     def metrics(self) -> BridgeMetrics:
@@ -115,20 +119,27 @@ class BridgeServer:
     async def stop(self, grace: float | None = None) -> None:
         grace = self.settings.server.grace_period_s if grace is None else grace
         self._stopping = True
+        self.stop_phase = "draining in-flight RPCs"
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        self.stop_phase = "stopping the health supervisor"
         if self._health_poll is not None:  # before the engines close, so it never checks a closed one
             self._health_poll.cancel()
             await asyncio.gather(self._health_poll, return_exceptions=True)
             self._health_poll = None
+        self.stop_phase = "closing environments and the routing index"
         await self.bridge.close()  # environments of episodes still open
+        self.stop_phase = "closing engines"
         for engine in self.bridge.engines:
             await engine.close()
+        self.stop_phase = "closing the episode journal"
         if self.bridge.journal is not None:  # open episodes stay in Redis for the next bridge
             await self.bridge.journal.close()
+        self.stop_phase = "stopping metrics and tracing"
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.stop()
         self.tracing.shutdown()
+        self.stop_phase = "exiting the process"
 
 
 async def create_server(
@@ -185,8 +196,14 @@ async def create_server(
     return BridgeServer(server, port, bridge, health, settings, tracing, endpoint if settings.metrics.port else None)
 
 
-async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGINT/SIGTERM, then shut down gracefully."""
+async def serve(
+    settings: Settings, ready: asyncio.Event | None = None, *, stuck_exit_s: float | None = STUCK_EXIT_S
+) -> None:
+    """The process's main loop: run until SIGINT/SIGTERM, then shut down gracefully.
+
+    A second signal cuts the drain short. If the shutdown is still not done ``stuck_exit_s`` after the
+    grace period, the process logs where it hung and exits with status 1 (None: never).
+    """
     bridge_server = await create_server(settings)
     await bridge_server.start()
     info = bridge_server.bridge.info
@@ -210,6 +227,22 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
     )
     began = loop.time()
     pending: set[asyncio.Task[None]] = set()
+    if stuck_exit_s is not None:
+        # A stop that hangs (a stuck engine close, a thread that never ends) must not keep the process
+        # alive: past the grace period plus stuck_exit_s, say where it hung and exit. Not cancelled when
+        # serve() returns, so it also covers the interpreter's own exit.
+        limit = settings.server.grace_period_s + stuck_exit_s
+
+        def stuck() -> None:
+            log.error(
+                "shutdown still not done %.0f s after the signal (at: %s): exiting now", limit, bridge_server.stop_phase
+            )
+            logging.shutdown()
+            os._exit(1)
+
+        watchdog = threading.Timer(limit, stuck)
+        watchdog.daemon = True
+        watchdog.start()
 
     def stop_now() -> None:  # an operator's second Ctrl-C / SIGTERM: cancel what is still running
         log.warning("second signal: cancelling in-flight Steps now")

@@ -22,6 +22,10 @@ PROMPT = [1, 4, 30, 31, 32, 2, 5]
 SAMPLING = {"max_tokens": 6, "ignore_eos": True, "seed": 5}
 
 
+# A 5 s grace: a stop that hangs exits the process after 35 s (serve()'s watchdog), with the phase in its log.
+QUICK_STOP = {"PRIMERL_SERVER__GRACE_PERIOD_S": "5"}
+
+
 def _persist(redis: PrivateRedis, **extra: Any) -> dict[str, Any]:
     return {"redis": {"url": redis.url}, "persistence": {"enabled": True, "timeout_s": 0.5, **extra}}
 
@@ -116,7 +120,7 @@ async def test_killed_bridge_episodes_resume_in_a_new_process(redis_server: Priv
         turn1 = await client.step(ep)
         first.signal(signal.SIGKILL)  # no drain, no goodbye
         first.wait(30)
-        second = _Bridge(redis_server, port, tmp_path / "second.log")
+        second = _Bridge(redis_server, port, tmp_path / "second.log", QUICK_STOP)
         try:
             await client.wait_until_ready(60)
             turn2 = await client.step(ep, [9])
@@ -150,7 +154,7 @@ async def test_sigterm_under_load_drains_steps_and_loses_no_trajectory(
         turns = await asyncio.gather(*steps)  # every in-flight Step finishes within the grace period
         assert all(len(t.token_ids) == 40 and t.finish_reason == "length" for t in turns)
         assert first.wait(60) == 0  # drained well within the 10 s grace; generous for a loaded CI machine
-        second = _Bridge(redis_server, port, tmp_path / "second.log")
+        second = _Bridge(redis_server, port, tmp_path / "second.log", QUICK_STOP)
         try:
             await client.wait_until_ready(60)
             for ep, turn in zip(eps, turns, strict=True):  # ended through the new process: nothing lost
