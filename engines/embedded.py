@@ -46,7 +46,16 @@ import numpy as np
 
 from engines.chat import HFTokenizer
 from engines.config import EmbeddedConfig
-from engines.kvcache import KVStore, Parked, cache_nbytes, common_prefix, fork, kv_tensors, new_cache
+from engines.kvcache import (
+    KVStore,
+    Parked,
+    cache_nbytes,
+    common_prefix,
+    fork,
+    forward_with_cache,
+    kv_tensors,
+    new_cache,
+)
 from engines.sampling import raw_logprob, sample, verify
 from engines.types import (
     EngineCounters,
@@ -388,7 +397,7 @@ class EmbeddedEngine:
             self._unpack()
         assert seq.cache is not None
         feed = ([] if seq.logits is not None else [seq.ids[-1]]) + list(draft)
-        out = self.model(input_ids=torch.tensor([feed]), past_key_values=seq.cache, use_cache=True)
+        out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([feed]), use_cache=True)
         rows = ([seq.logits] if seq.logits is not None else []) + list(out.logits[0])
         seq.cached += len(feed)
         seq.logits = None
@@ -534,7 +543,7 @@ class EmbeddedEngine:
             new = seq.ids
         if seq.produced:  # KV dropped mid-turn by a weight swap: recomputed under the new weights
             self.counters.extra["recomputed_tokens"] = self.counters.extra.get("recomputed_tokens", 0) + len(new)
-        out = self.model(input_ids=torch.tensor([new]), past_key_values=seq.cache, use_cache=True, logits_to_keep=1)
+        out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([new]), use_cache=True, logits_to_keep=1)
         seq.logits = out.logits[0, -1]
         seq.cached = len(seq.ids)
         self.counters.forward_passes += 1
@@ -553,7 +562,7 @@ class EmbeddedEngine:
             if seq.in_batch:
                 self._unpack()
             assert seq.cache is not None
-            out = self.model(input_ids=torch.tensor([[seq.ids[-1]]]), past_key_values=seq.cache, use_cache=True)
+            out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([[seq.ids[-1]]]), use_cache=True)
             seq.logits = out.logits[0, -1]
             seq.cached += 1
             return
@@ -563,11 +572,12 @@ class EmbeddedEngine:
         batch = self._batch
         assert batch is not None
         batch.mask = torch.cat([batch.mask, torch.ones(len(seqs), 1, dtype=batch.mask.dtype)], dim=1)
-        out = self.model(
+        out = forward_with_cache(
+            self.model,
+            batch.cache,
             input_ids=torch.tensor([[s.ids[-1]] for s in seqs]),
             attention_mask=batch.mask,
             position_ids=torch.tensor([[s.cached] for s in seqs]),
-            past_key_values=batch.cache,
             use_cache=True,
         )
         for i, seq in enumerate(seqs):

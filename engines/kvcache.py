@@ -87,6 +87,30 @@ def new_cache(config: Any = None, data: Iterable[tuple[torch.Tensor, torch.Tenso
     return cache
 
 
+def forward_with_cache(model: Any, cache: DynamicCache | None, **kwargs: Any) -> Any:
+    """``model(**kwargs)`` with ``cache`` as its KV cache, under the argument name this transformers expects.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name still works but warns, and a warning
+    is an error in our tests); 5.23 knows only the old name. The name is read off the forward's signature once
+    per model class.
+    """
+    kwargs[_cache_argument(model.__class__)] = cache
+    return model(**kwargs)
+
+
+def output_cache(out: Any) -> DynamicCache:
+    """The KV cache a forward returned (``out.cache`` from transformers 5.24, ``out.past_key_values`` before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+@functools.cache
+def _cache_argument(model_class: Any) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def _view_of(t: torch.Tensor, buf: torch.Tensor) -> bool:
     """Whether ``t`` is the leading part (along tokens) of ``buf``, i.e. still this layer's own view."""
     return (

@@ -52,15 +52,17 @@ def group_forward(
     """
     from transformers.cache_utils import DynamicCache
 
+    from engines.kvcache import forward_with_cache, output_cache
+
     g = len(completions)
     prompt = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
     out = model(input_ids=prompt, use_cache=True, output_hidden_states=with_hidden)
     first_logits = out.logits[:, -1:].float().expand(g, -1, -1)  # predicts each completion's first token
-    layers = [(k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1)) for k, v in _kv(out.past_key_values)]
+    layers = [(k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1)) for k, v in _kv(output_cache(out))]
     cache = DynamicCache(ddp_cache_data=layers)
     ids = pad_right(completions, 0, torch.long)
     mask = pad_right([np.ones(len(np.asarray(c)), dtype=bool) for c in completions], 0, torch.bool)
-    comp = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=with_hidden)
+    comp = forward_with_cache(model, cache, input_ids=ids, use_cache=True, output_hidden_states=with_hidden)
     logits = torch.cat([first_logits, comp.logits[:, :-1].float()], dim=1)  # position j predicts token j
     logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
     hidden = None
