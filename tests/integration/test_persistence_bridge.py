@@ -129,7 +129,7 @@ async def test_killed_bridge_episodes_resume_in_a_new_process(redis_server: Priv
             assert [t.finish_reason for t in traj.turns] == ["length", "length"]
             assert traj.loss_mask.sum() == 12
             second.signal(signal.SIGTERM)
-            assert second.wait(60) == 0
+            assert second.wait(60) == 0, second.log_tail()
         finally:
             second.kill()
     finally:
@@ -153,7 +153,9 @@ async def test_sigterm_under_load_drains_steps_and_loses_no_trajectory(
         first.signal(signal.SIGTERM)
         turns = await asyncio.gather(*steps)  # every in-flight Step finishes within the grace period
         assert all(len(t.token_ids) == 40 and t.finish_reason == "length" for t in turns)
-        assert first.wait(60) == 0  # drained well within the 10 s grace; generous for a loaded CI machine
+        assert first.wait(60) == 0, (
+            first.log_tail()
+        )  # drained well within the 10 s grace; generous for a loaded CI machine
         second = _Bridge(redis_server, port, tmp_path / "second.log", QUICK_STOP)
         try:
             await client.wait_until_ready(60)
@@ -161,7 +163,7 @@ async def test_sigterm_under_load_drains_steps_and_loses_no_trajectory(
                 traj = await client.end_episode(ep)
                 assert traj.token_ids.tolist() == PROMPT + turn.token_ids.tolist()
             second.signal(signal.SIGTERM)
-            assert second.wait(60) == 0
+            assert second.wait(60) == 0, second.log_tail()
         finally:
             second.kill()
     finally:
@@ -182,7 +184,7 @@ async def test_a_second_sigterm_stops_the_drain_at_once(redis_server: PrivateRed
         bridge.signal(signal.SIGTERM)
         await asyncio.sleep(0.5)
         bridge.signal(signal.SIGTERM)  # the operator insists
-        assert bridge.wait(60) == 0
+        assert bridge.wait(60) == 0, bridge.log_tail()
         with pytest.raises(BridgeError):
             await step
         assert "second signal" in bridge.log_tail()
