@@ -73,7 +73,7 @@ class ToyTokenizer:
         return [self._ids.get(w, UNK) for w in text.split()]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return " ".join(self.vocab[i] for i in ids)
+        return " ".join(map(self.vocab.__getitem__, ids))
 
     def _render(self, messages: Sequence[Message]) -> list[int]:
         out: list[int] = []
@@ -138,11 +138,14 @@ class ToyEngine:
         last = history[-1] if history else BOS
         prev = history[-2] if len(history) > 1 else BOS
         weights = self._exp_bigram[last] * self._exp_trigram[(prev * 31 + last) % 997]
-        cdf = np.cumsum(weights)
-        token = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), cdf.shape[0] - 1)
+        # ndarray methods, not np.cumsum/np.searchsorted: the same computation without the array-function
+        # dispatch, which costs more than the arithmetic on a vocabulary this small.
+        cdf = weights.cumsum()
+        total = cdf[-1]
+        token = min(int(cdf.searchsorted(rng.random() * total, side="right")), cdf.shape[0] - 1)
         while weights[token] == 0.0:  # a zero-width bucket can only be hit at its edge
             token -= 1
-        return token, math.log(weights[token] / cdf[-1])
+        return token, math.log(weights[token] / total)
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         params = request.params
@@ -230,7 +233,7 @@ class ToyEngine:
     @staticmethod
     def _origins(origins: list[Origin]) -> tuple[Origin, ...]:
         """Empty (= all sampled, as before speculation existed) unless a token came from a draft."""
-        return tuple(origins) if any(o != Origin.SAMPLED for o in origins) else ()
+        return tuple(origins) if origins.count(Origin.SAMPLED) != len(origins) else ()
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)

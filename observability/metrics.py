@@ -151,6 +151,8 @@ class BridgeMetrics:
             registry=r,
         )  # fmt: skip
         self._children: dict[tuple[str, str], _TurnChildren] = {}
+        self._finished: dict[tuple[str, str, str], Counter] = {}  # (model, engine, finish reason) -> turns child
+        self._rpc_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}  # (method, code) -> children
         self._index_totals: dict[str, _Totals] = {}
         self.engine_health: dict[str, bool] = {}
 
@@ -174,7 +176,9 @@ class BridgeMetrics:
         c.prompt.inc(usage.prompt_tokens)
         c.cached.inc(usage.cached_tokens)
         c.generated.inc(usage.generated_tokens)
-        self.turns.labels(model, engine, finish_reason).inc()
+        if (finished := self._finished.get((model, engine, finish_reason))) is None:
+            finished = self._finished[(model, engine, finish_reason)] = self.turns.labels(model, engine, finish_reason)
+        finished.inc()
         c.latency.observe(latency_s)
         if usage.generated_tokens:
             c.ttft.observe(ttft_s)
@@ -185,8 +189,14 @@ class BridgeMetrics:
         c.totals.cached += usage.cached_tokens
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        self.rpc_handled.labels(method, code).inc()
-        self.rpc_duration.labels(method).observe(seconds)
+        children = self._rpc_children.get((method, code))
+        if children is None:  # resolved once per (method, code): both label sets are bounded
+            children = self._rpc_children[(method, code)] = (
+                self.rpc_handled.labels(method, code),
+                self.rpc_duration.labels(method),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_index_lookup(self, model: str, query_tokens: int, hit_tokens: int) -> None:
         """The bridge's prefix index looked up ``query_tokens`` and found ``hit_tokens`` of them."""

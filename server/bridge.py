@@ -77,8 +77,13 @@ class SamplingOverrides:
     raw_logprobs: bool | None = None
 
     def apply(self, base: SamplingParams) -> SamplingParams:
-        changes = {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None}
+        if self == NO_OVERRIDES:  # most Steps override nothing; ``base`` is frozen, so it serves as is
+            return base
+        changes = {k: v for k in self.__slots__ if (v := getattr(self, k)) is not None}
         return replace(base, **changes)
+
+
+NO_OVERRIDES = SamplingOverrides()
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,16 +447,17 @@ class Bridge:
         self.router.opened(key, req.group_size)
         return StartResult(ids, group_id, version, self.info.engine, self.engines[replica].info.replica, len(prompt))
 
-    async def step(self, req: StepRequest) -> AsyncIterator[StepUpdate]:
+    def step(self, req: StepRequest) -> AsyncIterator[StepUpdate]:
         """Run one turn; yields the tokens as they are appended, the last update has ``turn``.
 
         With persistence the Step holds the episode's lease, starts from the newest persisted
         record, and writes the record back once its turn is closed (also when it failed).
         """
         if self.journal is None:
-            async for update in self._step(req):
-                yield update
-            return
+            return self._step(req)  # nothing to hold or write back: one async-generator layer fewer per Step
+        return self._persisted_step(req)
+
+    async def _persisted_step(self, req: StepRequest) -> AsyncIterator[StepUpdate]:
         leased = await self._lease(req.episode_id)
         try:
             await self._sync(req.episode_id)
@@ -559,10 +565,11 @@ class Bridge:
             self.info.max_model_len - total,
             self.admission.max_tokens_per_episode - total,
         )
-        if params.seed is not None and req.sampling.seed is None:
+        seed = params.seed
+        if seed is not None and req.sampling.seed is None:
             # An episode-level seed covers the whole episode: turn t samples with seed + t * 7919
             # (a per-turn override is used as given).
-            params = replace(params, seed=(params.seed + len(episode.turns) * 7919) % 2**63)
+            seed = (seed + len(episode.turns) * 7919) % 2**63
         version = self.engines[episode.replica].policy_version
         episode.append_unsampled(observation, Origin.ENV, version)
         turn = Turn(
@@ -573,7 +580,7 @@ class Bridge:
             policy_version=version,
         )
         episode.turns.append(turn)
-        return turn, replace(params, max_tokens=budget)
+        return turn, replace(params, max_tokens=budget, seed=seed)
 
     def _has_room(self, episode: Episode, extra: int) -> bool:
         """Whether ``extra`` more tokens still leave room to sample at least one."""
@@ -649,10 +656,10 @@ class Bridge:
             async with asyncio.timeout_at(deadline):
                 async for chunk in stream:
                     last = chunk
+                    origins = chunk.origins_or_sampled()
                     if chunk.token_ids:
                         if turn.ttft_ms == 0.0:
                             turn.ttft_ms = (time.perf_counter() - turn.started) * 1e3
-                        origins = chunk.origins_or_sampled()
                         episode.append(
                             chunk.token_ids, chunk.logprobs, origins, chunk.policy_version, chunk.raw_logprobs
                         )
@@ -660,12 +667,12 @@ class Bridge:
                         turn.policy_version = chunk.policy_version
                     raw = chunk.raw_logprobs
                     if chunk.finish_reason is None:
-                        yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled(), None, raw)
+                        yield StepUpdate(chunk.token_ids, chunk.logprobs, origins, None, raw)
                     else:
                         self._close(turn, chunk.finish_reason, chunk.usage)
                         if request.constraint is not None:  # the mask replay handle, before the last update
                             record_masked_positions(episode.metadata, request.constraint, len(episode.token_ids))
-                        yield StepUpdate(chunk.token_ids, chunk.logprobs, chunk.origins_or_sampled(), turn, raw)
+                        yield StepUpdate(chunk.token_ids, chunk.logprobs, origins, turn, raw)
                         return
             raise EngineError(f"engine {engine.info.replica!r} ended the stream without a finish reason")
         except EngineError as exc:

@@ -19,7 +19,7 @@ from engines.types import Message
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.auth import current_tenant
-from server.bridge import Bridge, EndRequest, SamplingOverrides, StartRequest, StepRequest
+from server.bridge import NO_OVERRIDES, Bridge, EndRequest, SamplingOverrides, StartRequest, StepRequest
 from server.envsession import EnvOutcome
 from server.episodes import Turn
 from server.errors import PrimeRLError
@@ -56,6 +56,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 def _overrides(p: pb.SamplingParams) -> SamplingOverrides:
+    if not p.ListFields():  # nothing set (most Steps): skip eight presence checks
+        return NO_OVERRIDES
     return SamplingOverrides(
         temperature=p.temperature if p.HasField("temperature") else None,
         top_p=p.top_p if p.HasField("top_p") else None,
@@ -194,15 +196,17 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         if ids and turn is None:
             chunk.text = self._decode(ids)
         if (t := turn) is not None:
-            chunk.done.CopyFrom(
-                pb.TurnDone(
-                    finish_reason=int(t.finish_reason or 0),  # type: ignore[arg-type]
-                    usage=_usage(t),
-                    policy_version=t.policy_version,
-                    turn_index=t.index,
-                    text=self._decode(turn_ids),
-                )
+            done = chunk.done  # filled in place: no TurnDone built and then copied
+            done.finish_reason = int(t.finish_reason or 0)  # type: ignore[assignment]
+            u, usage = t.usage, done.usage
+            usage.prompt_tokens, usage.cached_tokens, usage.generated_tokens = (
+                u.prompt_tokens,
+                u.cached_tokens,
+                u.generated_tokens,
             )
+            done.policy_version = t.policy_version
+            done.turn_index = t.index
+            done.text = self._decode(turn_ids)
         return chunk
 
     async def EndEpisode(

@@ -69,6 +69,9 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: BridgeMetrics, tracing: Tracing) -> None:
         self.metrics = metrics
         self.tracing = tracing
+        # method -> (the handler served, its wrapped version): without per-call wrappers inside (auth off),
+        # the server hands back the same handler for a method each call, so it is wrapped once, not per call.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -78,18 +81,25 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming:  # no client-streaming RPCs are served
             return handler
-        method = _method_label(handler_call_details.method)
+        full = handler_call_details.method
+        cached = self._wrapped.get(full)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        method = _method_label(full)
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
+            wrapped = grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(method, handler.unary_stream, self._traced(method)),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
-        return grpc.unary_unary_rpc_method_handler(
-            self._wrap_unary(method, handler.unary_unary, self._traced(method)),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        else:
+            wrapped = grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(method, handler.unary_unary, self._traced(method)),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        self._wrapped[full] = (handler, wrapped)  # one entry per method served (bounded)
+        return wrapped
 
     def _traced(self, method: str) -> bool:
         # Health probes (every few seconds from Kubernetes) and reflection would drown the traces.
