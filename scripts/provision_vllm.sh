@@ -15,7 +15,8 @@
 #
 # Idempotent: after a successful import check, VENV_DIR/.primerl-vllm-stamp is written, keyed
 # by this script's sha256; a later run with that stamp exits in ~0.2 s. Editing this script
-# invalidates the stamp, and the next run re-checks the existing venv in place (~30 s).
+# (or scripts/vllm-constraints.txt, the pinned versions of its requirements) invalidates the stamp, and the
+# next run re-checks the existing venv in place (~30 s).
 # Concurrent runs are serialised with flock on VENV_DIR.lock.
 # Output: progress on stderr; the venv path alone on stdout. Also written into VENV_DIR:
 # .primerl-vllm-requirements.txt (what step 3 installed), .primerl-freeze.txt (pip freeze).
@@ -35,7 +36,7 @@ VENV=""
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     -*) die "unknown option: $arg" ;;
     *) [[ -z "$VENV" ]] || die "only one VENV_DIR may be given"; VENV="$arg" ;;
   esac
@@ -45,7 +46,9 @@ mkdir -p "$(dirname "$VENV")"
 VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"
 
 SCRIPT_PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
-SCRIPT_HASH="$(sha256sum "$SCRIPT_PATH" | cut -d' ' -f1)"
+# Pins of vLLM's runtime requirements (what make test was last green with): part of the stamp's key.
+PINS="$(dirname "$SCRIPT_PATH")/vllm-constraints.txt"
+SCRIPT_HASH="$(cat "$SCRIPT_PATH" "$PINS" 2>/dev/null | sha256sum | cut -d' ' -f1)"
 STAMP="$VENV/.primerl-vllm-stamp"
 PY="$VENV/bin/python"
 
@@ -123,6 +126,8 @@ TORCH_FULL="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch")
 log "torch $TORCH_FULL installed"
 # Hold torch fixed for every later resolution (a transitive dep must never swap in a CUDA build).
 printf 'torch==%s\n' "$TORCH_FULL" > "$CONSTRAINTS"
+# ...and every other requirement at its pinned version, so a new upstream release cannot change a fresh venv.
+if [[ -f "$PINS" ]]; then grep -vE '^(#|torch==)' "$PINS" >> "$CONSTRAINTS"; fi
 
 log "step 2/4: $VLLM_PKG==$VLLM_VERSION --no-deps"
 pip_ install -q --no-deps "$VLLM_PKG==$VLLM_VERSION" || die "pip install $VLLM_PKG==$VLLM_VERSION failed"
