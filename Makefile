@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum
 .PHONY: help setup lock run demo-chat demo-ppo test unit lint gen-proto check-proto bench bench-gate gate-fast clean vllm-env
 
 help:
-	@echo "make run    - set up, start the bridge and run the GRPO training demo (reward curve PNG)"
+	@echo "make run    - set up, show one chat episode through the bridge, then run the GRPO training demo"
 	@echo "make demo-chat / demo-ppo - the 3-turn chat episode / the PPO value-head demo"
 	@echo "make test   - set up and run lint, type checks, proto freshness, the test suite and the fast perf gate"
 	@echo "             (make test GATE_INJECT=kv-off|no-batching|no-group-sharing|round-robin|no-speculation"
@@ -45,9 +45,11 @@ setup: $(STAMP)
 	@# cache/ tests and bench/cache_index.py start a private redis-server on a free port.
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
-# The main job: GRPO through the bridge (embedded SmolLM2) with a per-step table and a reward-curve PNG,
-# bounded by --max-minutes (examples/grpo_train.py). `make demo-chat` is the 3-turn chat episode.
+# The main job on the embedded SmolLM2: first one 3-turn chat episode through a bridge, printed turn by turn
+# (token ids, text, logprobs; examples/demo.py, ~20 s), then GRPO training through the bridge with a per-step
+# table and a reward-curve PNG, bounded by --max-minutes (examples/grpo_train.py).
 run: setup
+	$(PY) examples/demo.py
 	$(PY) examples/grpo_train.py
 
 demo-chat: setup
