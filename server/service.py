@@ -198,12 +198,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         if (t := turn) is not None:
             done = chunk.done  # filled in place: no TurnDone built and then copied
             done.finish_reason = int(t.finish_reason or 0)  # type: ignore[assignment]
-            u, usage = t.usage, done.usage
-            usage.prompt_tokens, usage.cached_tokens, usage.generated_tokens = (
-                u.prompt_tokens,
-                u.cached_tokens,
-                u.generated_tokens,
-            )
+            done.usage.CopyFrom(_usage(t))
             done.policy_version = t.policy_version
             done.turn_index = t.index
             done.text = self._decode(turn_ids)
