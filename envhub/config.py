@@ -105,6 +105,12 @@ class BrowserConfig(BaseModel):
         (), description="Origins ('http://127.0.0.1:8000') pages may load from; everything else is aborted."
     )
     timeout_s: float = Field(10.0, gt=0, le=120, description="Navigation/action timeout.")
+    launch_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=600,
+        description="Browser start timeout; a cold first launch builds font and profile caches (> 10 s on busy CI).",
+    )
     max_text_chars: int = Field(4000, ge=100, le=1_000_000, description="Characters of page text shown to the model.")
 
 

@@ -6,7 +6,8 @@ Invariants:
   goes through a route handler that aborts other origins and fetches allowed ones itself
   without following redirects, so each redirect hop is checked too; the page's final URL
   is checked after each navigation. No allowlist means nothing loads.
-- Every action has a timeout; page text returned to the model is capped.
+- Every action has a timeout (launch a longer one of its own: a cold first start builds caches);
+  page text returned to the model is capped.
 - Chromium's own sandbox cannot run as root; the flag ``--no-sandbox`` is passed only then.
 """
 
@@ -57,7 +58,7 @@ class BrowserSession:
                 executable_path=self.config.executable,
                 headless=True,
                 args=[*args, "--disable-gpu", "--disable-dev-shm-usage"],
-                timeout=self.config.timeout_s * 1000,
+                timeout=self.config.launch_timeout_s * 1000,
             )
             context = await self._browser.new_context(service_workers="block", accept_downloads=False)
             await context.route("**/*", self._route)
