@@ -53,8 +53,9 @@ from engines.kvcache import (
     common_prefix,
     fork,
     forward_with_cache,
-    kv_tensors,
     new_cache,
+    pack_left,
+    unpack_left,
 )
 from engines.sampling import raw_logprob, sample, verify
 from engines.types import (
@@ -69,6 +70,7 @@ from engines.types import (
     WeightUpdate,
     check_token_ids,
 )
+from engines.weights import read_checkpoint
 from server.errors import EngineError, EngineUnavailable, InvalidArgument
 
 if TYPE_CHECKING:
@@ -108,7 +110,6 @@ class _Batch:
     rows: list[_Seq]
     cache: DynamicCache
     mask: torch.Tensor  # [B, T] 1 for real positions, 0 for left padding
-    pads: list[int]
 
 
 @dataclass(slots=True)
@@ -269,7 +270,7 @@ class EmbeddedEngine:
         return self._store.take(("ep", episode_id)) is not None
 
     async def update_weights(self, update: WeightUpdate) -> None:
-        state = await asyncio.to_thread(self._read_checkpoint, update.checkpoint_path)
+        state = await asyncio.to_thread(read_checkpoint, self.model, update.checkpoint_path)
         await asyncio.get_running_loop().run_in_executor(self._worker, self._swap_weights, state, update)
 
     async def close(self) -> None:
@@ -587,76 +588,24 @@ class EmbeddedEngine:
 
     def _pack(self, seqs: list[_Seq]) -> None:
         """Left-pad the sequences' KV into one batched cache."""
-        import torch
-
-        width = max(s.cached for s in seqs)
-        pads = [width - s.cached for s in seqs]
-        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        per_seq = []
+        caches = []
         for seq in seqs:
             assert seq.cache is not None
-            per_seq.append(kv_tensors(seq.cache))
-        for li, (k0, v0) in enumerate(per_seq[0]):
-            _, heads, _, dim = k0.shape
-            keys = k0.new_zeros(len(seqs), heads, width, dim)
-            values = v0.new_zeros(len(seqs), heads, width, dim)
-            for row, pad in enumerate(pads):
-                keys[row, :, pad:] = per_seq[row][li][0][0]
-                values[row, :, pad:] = per_seq[row][li][1][0]
-            layers.append((keys, values))
-        mask = torch.ones(len(seqs), width, dtype=torch.long)
-        for row, pad in enumerate(pads):
-            mask[row, :pad] = 0
+            caches.append(seq.cache)
+        cache, mask = pack_left(caches, [seq.cached for seq in seqs])
         for seq in seqs:
             seq.cache, seq.in_batch = None, True
-        self._batch = _Batch(list(seqs), new_cache(data=layers), mask, pads)
+        self._batch = _Batch(list(seqs), cache, mask)
 
     def _unpack(self) -> None:
-        """Split the batched cache back into per-sequence caches (copies, so the batch memory is freed)."""
+        """Split the batched cache back into per-sequence caches."""
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        width = batch.mask.shape[1]
-        kv = kv_tensors(batch.cache)
-        for row, seq in enumerate(batch.rows):
-            start = width - seq.cached
-            seq.cache = new_cache(data=[(k[row : row + 1, :, start:], v[row : row + 1, :, start:]) for k, v in kv])
-            seq.in_batch = False
+        for seq, cache in zip(batch.rows, unpack_left(batch.cache, [s.cached for s in batch.rows]), strict=True):
+            seq.cache, seq.in_batch = cache, False
 
     # -- weights ------------------------------------------------------------------------------------
-
-    def _read_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
-        """Load and check a safetensors checkpoint against the model (names, shapes) before touching it."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        root = Path(path).expanduser()
-        if not root.is_dir():
-            raise InvalidArgument(f"checkpoint_path {path!r} is not a directory")
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise InvalidArgument(f"checkpoint_path {path!r} has no *.safetensors files")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            try:
-                state.update(load_file(str(f)))
-            except (SafetensorError, OSError) as exc:
-                raise InvalidArgument(f"cannot read {f}: {exc}") from None
-        own = self.model.state_dict()
-        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
-        missing = [k for k in own if k not in state and not (tied and k == "lm_head.weight")]
-        unknown = [k for k in state if k not in own]
-        if missing or unknown:
-            raise InvalidArgument(
-                f"checkpoint {path!r} does not match the model: {len(missing)} tensors missing (e.g. {missing[:3]}), "
-                f"{len(unknown)} unexpected (e.g. {unknown[:3]})"
-            )
-        for k, t in state.items():
-            if tuple(t.shape) != tuple(own[k].shape):
-                raise InvalidArgument(
-                    f"checkpoint {path!r}: tensor {k} has shape {tuple(t.shape)}, the model needs {tuple(own[k].shape)}"
-                )
-        return state
 
     def _swap_weights(self, state: dict[str, Any], update: WeightUpdate) -> None:
         import torch

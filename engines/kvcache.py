@@ -11,7 +11,8 @@ turn prefills only its new tokens.
 Everything else treats a layer as transformers does (``layer.keys`` / ``layer.values``): ``crop`` leaves a view
 of the same buffer (the next append overwrites the cropped tail, which only this cache references); a layer
 whose keys were replaced by other code adopts the new tensor as its buffer on the next append. Caches are never
-shared between sequences: forks, packs and unpacks copy.
+shared between sequences: forks, packs and unpacks copy. ``pack_left`` / ``unpack_left`` move per-sequence
+caches into one left-padded batch for a shared decode step and back.
 """
 
 from __future__ import annotations
@@ -139,6 +140,40 @@ def cache_nbytes(cache: DynamicCache) -> int:
 def fork(cache: DynamicCache) -> DynamicCache:
     """An independent copy (a group member continuing from the shared prompt)."""
     return new_cache(data=kv_tensors(cache))
+
+
+def pack_left(caches: list[DynamicCache], lengths: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+    """One batched cache of the rows' KV, left-padded to the longest, and its [B, T] attention mask (0 = pad).
+
+    ``lengths[i]`` is how many positions row ``i`` holds. The rows are copied; the inputs are left as they are.
+    """
+    import torch
+
+    width = max(lengths)
+    per_row = [kv_tensors(c) for c in caches]
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for li, (k0, v0) in enumerate(per_row[0]):
+        _, heads, _, dim = k0.shape
+        keys = k0.new_zeros(len(caches), heads, width, dim)
+        values = v0.new_zeros(len(caches), heads, width, dim)
+        for row, n in enumerate(lengths):
+            keys[row, :, width - n :] = per_row[row][li][0][0]
+            values[row, :, width - n :] = per_row[row][li][1][0]
+        layers.append((keys, values))
+    mask = torch.ones(len(caches), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, : width - n] = 0
+    return new_cache(data=layers), mask
+
+
+def unpack_left(cache: DynamicCache, lengths: list[int]) -> list[DynamicCache]:
+    """The inverse of ``pack_left`` for rows now ``lengths`` long: one cache per row (copies, so the batch is freed)."""
+    kv = kv_tensors(cache)
+    width = kv[0][0].shape[-2]
+    return [
+        new_cache(data=[(k[row : row + 1, :, width - n :], v[row : row + 1, :, width - n :]) for k, v in kv])
+        for row, n in enumerate(lengths)
+    ]
 
 
 def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
