@@ -71,9 +71,10 @@ def cpu_seconds(pid: int) -> float:
 
 async def throughput(
     client: AsyncBridgeClient, episodes: int, seconds: float, pid: int, turns: int = TURNS_PER_EPISODE
-) -> tuple[float, float]:
-    """(Steps/s, Steps per bridge CPU-second) with ``episodes`` in flight; each runs ``turns`` turns, then a
-    fresh one takes its place (bounded histories, as in RL rollouts; StartEpisode calls are not counted)."""
+) -> tuple[float, float, float]:
+    """(Steps/s, Steps per bridge CPU-second, client CPU-seconds per Step) with ``episodes`` in flight; each runs
+    ``turns`` turns, then a fresh one takes its place (bounded histories, as in RL rollouts; StartEpisode calls
+    are not counted)."""
     sampling = {"max_tokens": 16, "ignore_eos": True}
     done = 0
     stop = time.perf_counter() + seconds
@@ -89,10 +90,10 @@ async def throughput(
                 done += 1
             await client.discard_episode(ep)
 
-    cpu0, start = cpu_seconds(pid), time.perf_counter()
+    cpu0, own0, start = cpu_seconds(pid), time.process_time(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(episodes)))
-    elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu0
-    return done / elapsed, done / cpu
+    elapsed, cpu, own = time.perf_counter() - start, cpu_seconds(pid) - cpu0, time.process_time() - own0
+    return done / elapsed, done / cpu, own / done
 
 
 def start_floor() -> tuple[subprocess.Popen[bytes], int]:
@@ -102,8 +103,9 @@ def start_floor() -> tuple[subprocess.Popen[bytes], int]:
     return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1]), port
 
 
-async def floor(n: int, seconds: float) -> tuple[list[float], float, float]:
-    """(sequential Step latencies, Steps/s and Steps per server CPU-second with 64 in flight) on the floor."""
+async def floor(n: int, seconds: float) -> tuple[list[float], float, float, float]:
+    """(sequential Step latencies, Steps/s, Steps per server CPU-second and client CPU-seconds per Step with 64 in
+    flight) on the floor."""
     proc, port = start_floor()
     try:
         async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
@@ -129,10 +131,10 @@ async def floor(n: int, seconds: float) -> tuple[list[float], float, float]:
                     await client.step("floor", [9])
                     done += 1
 
-            cpu0, start = cpu_seconds(proc.pid), time.perf_counter()
+            cpu0, own0, start = cpu_seconds(proc.pid), time.process_time(), time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(64)))
-            elapsed, cpu = time.perf_counter() - start, cpu_seconds(proc.pid) - cpu0
-            return lat, done / elapsed, done / cpu
+            elapsed, cpu, own = time.perf_counter() - start, cpu_seconds(proc.pid) - cpu0, time.process_time() - own0
+            return lat, done / elapsed, done / cpu, own / done
     finally:
         proc.terminate()
         proc.wait(30)
@@ -141,7 +143,7 @@ async def floor(n: int, seconds: float) -> tuple[list[float], float, float]:
 async def main(n: int, seconds: float) -> None:
     base16 = await direct(n, 16)
     base256 = await direct(max(20, n // 10), 256)
-    floor16, floor_per_s, floor_per_cpu_s = await floor(n, seconds)
+    floor16, floor_per_s, floor_per_cpu_s, floor_client_cpu = await floor(n, seconds)
     proc, port = start_bridge("--engine", "toy")
     try:
         async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
@@ -149,7 +151,7 @@ async def main(n: int, seconds: float) -> None:
             await through_bridge(client, 20, 16, False)  # warm-up
             bridged16 = await through_bridge(client, n, 16, False)
             bridged256 = await through_bridge(client, max(20, n // 10), 256, True)
-            steps_per_s, steps_per_cpu_s = await throughput(client, 64, seconds, proc.pid)
+            steps_per_s, steps_per_cpu_s, client_cpu = await throughput(client, 64, seconds, proc.pid)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -158,7 +160,7 @@ async def main(n: int, seconds: float) -> None:
     try:
         async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
             await client.wait_until_ready(60)
-            routed_per_s, routed_per_cpu_s = await throughput(client, 64, seconds, proc.pid)
+            routed_per_s, routed_per_cpu_s, _ = await throughput(client, 64, seconds, proc.pid)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -166,6 +168,12 @@ async def main(n: int, seconds: float) -> None:
     added_p99 = (pct(bridged16, 99) - pct(base16, 99)) * 1e3
     per_token = (pct(bridged256, 50) - pct(base256, 50)) / 256 * 1e6
     floor_p50 = pct(floor16, 50)
+    # What this machine's CPUs allow at most: the server and the client share its cores, so Steps/s can never
+    # exceed cores / (server + client CPU per Step). Both costs are measured above, in this run.
+    cores = os.cpu_count() or 1
+    bridge_cpu = 1 / steps_per_cpu_s
+    ceiling = cores / (bridge_cpu + client_cpu)
+    floor_ceiling = cores / (1 / floor_per_cpu_s + floor_client_cpu)
     rows = [
         ("in-process 16-token turn p50", f"{pct(base16, 50) * 1e3:.3f} ms", "baseline"),
         (
@@ -184,6 +192,17 @@ async def main(n: int, seconds: float) -> None:
         ),
         ("Steps/s, 64 concurrent episodes (wall clock)", f"{steps_per_s:,.0f}", ">= 2,000"),
         ("Steps per bridge CPU-second (one-core capacity)", f"{steps_per_cpu_s:,.0f}", ""),
+        (
+            "CPU per Step: bridge / client (bare gRPC server / client)",
+            f"{bridge_cpu * 1e6:,.0f} / {client_cpu * 1e6:,.0f} us ({1e6 / floor_per_cpu_s:,.0f} / "
+            f"{floor_client_cpu * 1e6:,.0f} us)",
+            "",
+        ),
+        (
+            f"CPU-bound ceiling on these {cores} cores, bridge (bare gRPC server)",
+            f"{ceiling:,.0f} ({floor_ceiling:,.0f}) Steps/s",
+            "",
+        ),
         ("Steps/s, 2 replicas, cache-aware routing (wall clock)", f"{routed_per_s:,.0f}", ""),
         ("Steps per bridge CPU-second, 2 replicas", f"{routed_per_cpu_s:,.0f}", ""),
     ]
@@ -199,6 +218,11 @@ async def main(n: int, seconds: float) -> None:
         "grpc_floor_ms_p50": floor_p50 * 1e3,
         "grpc_floor_steps_per_s_64": floor_per_s,
         "grpc_floor_steps_per_server_cpu_s": floor_per_cpu_s,
+        "bridge_cpu_us_per_step": bridge_cpu * 1e6,
+        "client_cpu_us_per_step": client_cpu * 1e6,
+        "grpc_floor_client_cpu_us_per_step": floor_client_cpu * 1e6,
+        "cpu_ceiling_steps_per_s": ceiling,
+        "grpc_floor_cpu_ceiling_steps_per_s": floor_ceiling,
     }
     record(
         "bridge_overhead",
@@ -207,7 +231,9 @@ async def main(n: int, seconds: float) -> None:
         figures,
         notes="Bridge in its own process, client in another, both on this machine's cores. Throughput: "
         f"64 episodes in flight, each {TURNS_PER_EPISODE} turns of 16 tokens, then a fresh one; one replica "
-        "(nothing to route) and two (each turn looked up and recorded in the prefix index).",
+        "(nothing to route) and two (each turn looked up and recorded in the prefix index). CPU-bound ceiling: "
+        "cores / (server + client CPU per Step), from the costs measured in this run: no server can exceed it here "
+        "with its client on the same cores (one bridge process also runs its Python on one core at a time).",
         ratios={
             "bridge_over_direct_p50": pct(bridged16, 50) / pct(base16, 50),
             "bridge_over_grpc_floor_p50": pct(bridged16, 50) / floor_p50,
