@@ -54,7 +54,8 @@ class StepRow:
     dropped: int
     clip_frac: float
     loss: float
-    ratio: float = 1.0
+    ratio: float = 1.0  # mean importance ratio over trained tokens (meaningless when trained == 0)
+    trained: int = 0  # groups with a learning signal (not all rewards equal) that the update used
     components: dict[str, float] = field(default_factory=dict)
 
 
@@ -168,7 +169,7 @@ class Trainer:
             if verdict.keep:
                 kept.append((g, adv.grpo(g.rewards) if a.estimator == "grpo" else _est(a.estimator, g.rewards), 1.0))
         n_active = sum(int(np.any(x[1] != 0)) for x in kept)
-        stats = {"loss": 0.0, "clip_frac": 0.0, "ratio": 0.0}
+        stats = {"loss": 0.0, "clip_frac": 0.0, "ratio": 0.0, "trained": float(n_active)}
         if n_active == 0:
             return stats
         self.opt.zero_grad(set_to_none=True)
@@ -199,7 +200,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         if not torch.isfinite(norm):  # never push non-finite weights to the bridge
             self.opt.zero_grad(set_to_none=True)
-            stats["skipped"] = 1.0
+            stats["skipped"], stats["trained"] = 1.0, 0.0
             return stats
         self.opt.step()
         return stats
@@ -230,11 +231,12 @@ def print_row(r: StepRow, header: bool = False) -> None:
     if header:
         tqdm.write(
             f"{'step':>4} {'reward':>7} {'correct':>7} {'version':>7} {'tok/s':>7} {'KV reuse':>8} "
-            f"{'rollout s':>9} {'train s':>7} {'lag':>3} {'dropped':>7} {'ratio':>6}"
+            f"{'rollout s':>9} {'train s':>7} {'lag':>3} {'dropped':>7} {'trained':>7} {'ratio':>6}"
         )
+    ratio = f"{r.ratio:>6.3f}" if r.trained else f"{'-':>6}"  # no group had signal: no update, no ratio
     tqdm.write(
         f"{r.step:>4} {r.reward:>7.3f} {r.correct:>7.3f} {r.version:>7} {r.tokens_per_s:>7.1f} {r.kv_reuse:>8.1%} "
-        f"{r.rollout_s:>9.1f} {r.train_s:>7.1f} {r.lag:>3} {r.dropped:>7} {r.ratio:>6.3f}"
+        f"{r.rollout_s:>9.1f} {r.train_s:>7.1f} {r.lag:>3} {r.dropped:>7} {r.trained:>7} {ratio}"
     )
 
 
@@ -300,6 +302,7 @@ async def run(args: argparse.Namespace) -> list[StepRow]:
                     clip_frac=stats["clip_frac"],
                     loss=stats["loss"],
                     ratio=stats["ratio"],
+                    trained=int(stats["trained"]),
                     components={k: float(np.mean([c[k] for c in comps])) for k in comps[0]},
                 )
                 trainer.history.append(row)
