@@ -12,9 +12,11 @@ an environment attached:
 - the bound (``max_tool_calls`` per episode) is reached -> the turn is graded as the final
   answer with its tool calls stripped, ``truncated=True``.
 
-Invariants: at most ``max_tool_calls`` calls are executed per episode and at most
-``max_calls_per_turn`` per turn, so ``on_turn`` returns ``should_continue=False`` after at
-most ``max_tool_calls + 1`` turns; the loop never raises for anything the model wrote.
+Invariants: at most ``max_tool_calls`` calls are made per episode, malformed ones included
+(an unparsable block or entry uses up one call, as it uses up a turn), and at most
+``max_calls_per_turn`` are executed per turn, so ``on_turn`` returns ``should_continue=False``
+after at most ``max_tool_calls + 1`` turns even for a model that only writes broken calls;
+the loop never raises for anything the model wrote.
 """
 
 from __future__ import annotations
@@ -154,6 +156,7 @@ class ToolLoop:
         self.env = env
         self.config = config or LoopConfig()
         self.tool_calls = 0  # executed so far in this episode
+        self.malformed = 0  # tool-call blocks or entries that could not be parsed (they count toward the bound)
         self.turns = 0
         self.done = False
         self.reward: float | None = None
@@ -167,10 +170,11 @@ class ToolLoop:
         parsed = parse_tool_calls(text)
         if parsed is None:
             return await self._finish(text, "final_answer", truncated=False)
-        if self.tool_calls >= self.config.max_tool_calls:
+        used = self.tool_calls + self.malformed
+        if used >= self.config.max_tool_calls:
             return await self._finish(strip_tool_calls(text), "max_tool_calls", truncated=True)
         messages = [Message(role="tool", content=err, name="tool_call") for err in parsed.errors]
-        budget = min(self.config.max_calls_per_turn, self.config.max_tool_calls - self.tool_calls)
+        budget = min(self.config.max_calls_per_turn, self.config.max_tool_calls - used)
         executed = 0
         for call in parsed.calls:
             if executed >= budget:
@@ -181,8 +185,10 @@ class ToolLoop:
             executed += 1
             messages.extend(result.observation)
         self.tool_calls += executed
+        self.malformed += len(parsed.errors)
         if not parsed.calls and not parsed.errors:
             messages.append(Message(role="tool", content="error (invalid): empty tool call", name="tool_call"))
+            self.malformed += 1
         return LoopDecision(tuple(messages), True, False, None, "tool_call", executed)
 
     async def _finish(self, text: str, reason: str, truncated: bool) -> LoopDecision:

@@ -52,7 +52,7 @@ class EnvSession:
 
     name: str
     env: EnvEpisode
-    max_turns: int  # on_turn calls per episode at most (malformed calls do not count as tool calls)
+    max_turns: int  # on_turn calls per episode at most: a backstop (the loop ends within max_tool_calls + 1)
     stopped: str = ""
     error: str = ""
     truncated: bool = False
@@ -173,7 +173,7 @@ async def open_env_sessions(
     an unreachable database, a broken factory) as FAILED_PRECONDITION naming the environment.
     """
     check_env_name(name)
-    # A malformed call is not a tool call (envhub.loop), so max_tool_calls alone does not bound the turns.
+    # A backstop: envhub.loop already ends within max_tool_calls + 1 turns (malformed calls count toward it).
     max_turns = 2 * (config.loop.max_tool_calls + 1)
     sessions: list[EnvSession] = []
     try:

@@ -142,6 +142,22 @@ async def test_loop_terminates_within_bound_plus_one_turns() -> None:
     assert turns == 6 and d.truncated
 
 
+async def test_malformed_calls_count_toward_the_bound() -> None:
+    """A model that only writes broken tool calls still ends within max_tool_calls + 1 turns."""
+    env = CalcEnv()
+    await env.reset()
+    loop = ToolLoop(env, LoopConfig(max_tool_calls=3, max_calls_per_turn=2))
+    d = await loop.on_turn("<tool_call>{oops</tool_call>")
+    assert d.should_continue and d.tool_calls == 0 and d.observation[0].content.startswith("error (invalid)")
+    d = await loop.on_turn("<tool_call>[]</tool_call>")  # an empty list of calls: also a call gone wrong
+    assert d.should_continue and d.observation[0].content == "error (invalid): empty tool call"
+    d = await loop.on_turn("<tool_call>[1, 2]</tool_call>" + call(a=1, b=1))  # one malformed entry, one good call
+    assert d.should_continue and d.tool_calls == 1 and env.calls == [(1, 1)]
+    d = await loop.on_turn("<tool_call>{oops</tool_call>")
+    assert not d.should_continue and d.done and d.truncated and d.reason == "max_tool_calls"
+    assert loop.turns == 4 and loop.tool_calls == 1
+
+
 async def test_start_env_episode_gives_the_bridge_prompt_tools_and_loop() -> None:
     ep = await start_env_episode("sql-qa", EnvHubConfig(loop=LoopConfig(max_tool_calls=2)), task_id="sql-7")
     assert ep.prompt_messages[-1].content == "Which employee was hired first?"

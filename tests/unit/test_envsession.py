@@ -105,11 +105,16 @@ async def test_graded_bound_and_turn_cap() -> None:
     with pytest.raises(FailedPrecondition, match="already graded"):
         session.check_steppable("ep-1")
 
-    # Malformed calls do not count as tool calls; the session's turn cap ends such a loop.
+    # Malformed calls count toward the bound: a model writing only broken calls is graded after it.
     session = await _session(ProbeEnv(), max_tool_calls=1)
-    for _ in range(session.max_turns - 1):
-        assert (await session.run_turn("<tool_call>{not json</tool_call>", None)) is not None
-        assert not session.stopped
+    assert (await session.run_turn("<tool_call>{not json</tool_call>", None)) is not None and not session.stopped
+    decision = await session.run_turn("<tool_call>{not json</tool_call>", None)
+    assert decision is not None and decision.done and session.stopped == "max_tool_calls"
+
+    # The session's turn cap is a backstop below the loop's own bound when configured so.
+    session = await _session(ProbeEnv(), max_tool_calls=5)
+    session.max_turns = 2
+    assert (await session.run_turn("<tool_call>{not json</tool_call>", None)) is not None and not session.stopped
     await session.run_turn("<tool_call>{not json</tool_call>", None)
     assert session.stopped == "max_turns" and not session.loop.done
 
