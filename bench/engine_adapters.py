@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import pct, record, start_bridge
 from engines.config import VllmConfig
-from engines.http_base import read_model_facts
 from engines.launch import VllmProcess, provision_vllm
 from engines.model_store import ensure_converted
+from engines.remote import read_model_facts
 from engines.types import GenerateRequest, SamplingParams
 from engines.vllm import VllmEngine
 from engines.wire import iter_sse

@@ -36,7 +36,7 @@ async def make_engines(config: EngineConfig) -> list[Engine]:
             for i in range(config.replicas)
         ]
     if config.type in ("vllm", "sglang", "trtllm"):
-        from engines.http_base import make_remote_engines
+        from engines.remote import make_remote_engines
 
         return list(await make_remote_engines(config))
     raise InvalidArgument(f"engine type {config.type!r} is not available in this build")

@@ -196,3 +196,13 @@ class EngineCounters:
     forward_passes: int = 0
     requests: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the bridge must know about the served model before the engine answers."""
+
+    model_dir: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int

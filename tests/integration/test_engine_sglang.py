@@ -17,10 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engines.config import SglangConfig, ToyConfig
-from engines.http_base import ModelFacts
 from engines.sglang import SglangEngine
 from engines.toy import ToyEngine
-from engines.types import FinishReason, GenerateRequest, SamplingParams, TokenChunk, WeightUpdate
+from engines.types import FinishReason, GenerateRequest, ModelFacts, SamplingParams, TokenChunk, WeightUpdate
 from rl_client.errors import AbortedError, DeadlineExceededError, UnavailableError
 from server.errors import (
     DeadlineExceeded,

@@ -13,10 +13,9 @@ import httpx
 import pytest
 
 from engines.config import ToyConfig, TrtllmConfig
-from engines.http_base import ModelFacts
 from engines.toy import ToyEngine
 from engines.trtllm import TrtllmEngine
-from engines.types import FinishReason, GenerateRequest, SamplingParams, TokenChunk, WeightUpdate
+from engines.types import FinishReason, GenerateRequest, ModelFacts, SamplingParams, TokenChunk, WeightUpdate
 from rl_client.errors import DeadlineExceededError, UnavailableError, UnimplementedError
 from server.errors import DeadlineExceeded, EngineProtocolError, InvalidArgument, TokenOutOfVocabulary, Unimplemented
 from tests.integration.engine_script import bridge_over, end_when_idle, run_episode_script

@@ -14,9 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engines.config import SglangConfig, ToyConfig
-from engines.http_base import ModelFacts
 from engines.sglang import SglangEngine
 from engines.toy import ToyEngine
+from engines.types import ModelFacts
 from rl_client.errors import UnavailableError
 from tests.integration.engine_script import bridge_over
 from tests.standins._common import StandinServer
