@@ -23,7 +23,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from cache import CacheConfig
@@ -42,8 +42,16 @@ from engines.types import (
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
 from placement.policies import Decision, RouteRequest, RoutingConfig
+from server.calls import (
+    EndRequest,
+    EndResult,
+    StartRequest,
+    StartResult,
+    StepRequest,
+    StepUpdate,
+)
 from server.config import AdmissionConfig, SamplingDefaults
-from server.envsession import EnvOutcome, EnvSession, check_env_name, close_all, open_env_sessions
+from server.envsession import EnvSession, check_env_name, close_all, open_env_sessions
 from server.episodes import NAN, Episode, EpisodeStore, Turn
 from server.errors import (
     DeadlineExceeded,
@@ -61,101 +69,6 @@ from speculation.factory import SpeculationFactory, record_masked_positions
 log = logging.getLogger("primerl.server")
 MAX_POLICY_VERSION = 2**63 - 1
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingOverrides:
-    """Sampling fields a request sets explicitly (None = inherit)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_tokens: int | None = None
-    stop_token_ids: tuple[int, ...] | None = None
-    seed: int | None = None
-    ignore_eos: bool | None = None
-    raw_logprobs: bool | None = None
-
-    def apply(self, base: SamplingParams) -> SamplingParams:
-        if self == NO_OVERRIDES:  # most Steps override nothing; ``base`` is frozen, so it serves as is
-            return base
-        changes = {k: v for k in self.__slots__ if (v := getattr(self, k)) is not None}
-        return replace(base, **changes)
-
-
-NO_OVERRIDES = SamplingOverrides()
-
-
-@dataclass(frozen=True, slots=True)
-class StartRequest:
-    model: str = ""
-    prompt_ids: tuple[int, ...] | None = None
-    prompt_messages: tuple[Message, ...] | None = None
-    tool_schemas: tuple[str, ...] = ()
-    sampling: SamplingOverrides = SamplingOverrides()
-    group_size: int = 1
-    group_id: str = ""
-    metadata: dict[str, str] = field(default_factory=dict)
-    tenant: str = ""
-    env: str = ""  # an env hub environment: it supplies the prompt and Step runs its tool loop
-    env_task_id: str = ""
-    env_seed: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StartResult:
-    episode_ids: list[str]
-    group_id: str
-    policy_version: int
-    engine: str
-    replica: str
-    prompt_tokens: int
-    env_task_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class StepRequest:
-    episode_id: str
-    observation_ids: tuple[int, ...] | None = None
-    observation_messages: tuple[Message, ...] | None = None
-    sampling: SamplingOverrides = SamplingOverrides()
-    tenant: str = ""
-    deadline_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StepUpdate:
-    """Tokens appended to the episode since the last update.
-
-    ``turn`` is set on an update that closes a turn; ``last`` is False when the tool loop
-    samples another turn in the same Step. The Step's final update has ``turn`` and ``last``
-    (and ``env`` for episodes with an environment).
-    """
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    origins: tuple[Origin, ...]
-    turn: Turn | None = None
-    raw_logprobs: tuple[float, ...] = ()
-    last: bool = True
-    env: EnvOutcome | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EndRequest:
-    episode_id: str
-    rewards: tuple[float, ...] = ()
-    turn_rewards: tuple[float, ...] = ()
-    discard: bool = False
-    tenant: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class EndResult:
-    episode: Episode
-    rewards: tuple[float, ...]
-    turn_rewards: tuple[float, ...]
-    duration_ms: float
 
 
 class Bridge:

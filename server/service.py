@@ -19,7 +19,8 @@ from engines.types import Message
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.auth import current_tenant
-from server.bridge import NO_OVERRIDES, Bridge, EndRequest, SamplingOverrides, StartRequest, StepRequest
+from server.bridge import Bridge
+from server.calls import NO_OVERRIDES, EndRequest, SamplingOverrides, StartRequest, StepRequest
 from server.envsession import EnvOutcome
 from server.episodes import Turn
 from server.errors import PrimeRLError

@@ -1,0 +1,106 @@
+"""The bridge's calls as typed objects: what ``server.service`` builds from protobuf for ``server.bridge.Bridge``,
+and what the bridge hands back. Frozen, so a request is validated once and never changes under the bridge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from engines.types import Message, Origin, SamplingParams
+from server.envsession import EnvOutcome
+from server.episodes import Episode, Turn
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOverrides:
+    """Sampling fields a request sets explicitly (None = inherit)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    raw_logprobs: bool | None = None
+
+    def apply(self, base: SamplingParams) -> SamplingParams:
+        if self == NO_OVERRIDES:  # most Steps override nothing; ``base`` is frozen, so it serves as is
+            return base
+        changes = {k: v for k in self.__slots__ if (v := getattr(self, k)) is not None}
+        return replace(base, **changes)
+
+
+NO_OVERRIDES = SamplingOverrides()
+
+
+@dataclass(frozen=True, slots=True)
+class StartRequest:
+    model: str = ""
+    prompt_ids: tuple[int, ...] | None = None
+    prompt_messages: tuple[Message, ...] | None = None
+    tool_schemas: tuple[str, ...] = ()
+    sampling: SamplingOverrides = SamplingOverrides()
+    group_size: int = 1
+    group_id: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    tenant: str = ""
+    env: str = ""  # an env hub environment: it supplies the prompt and Step runs its tool loop
+    env_task_id: str = ""
+    env_seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StartResult:
+    episode_ids: list[str]
+    group_id: str
+    policy_version: int
+    engine: str
+    replica: str
+    prompt_tokens: int
+    env_task_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    episode_id: str
+    observation_ids: tuple[int, ...] | None = None
+    observation_messages: tuple[Message, ...] | None = None
+    sampling: SamplingOverrides = SamplingOverrides()
+    tenant: str = ""
+    deadline_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """Tokens appended to the episode since the last update.
+
+    ``turn`` is set on an update that closes a turn; ``last`` is False when the tool loop
+    samples another turn in the same Step. The Step's final update has ``turn`` and ``last``
+    (and ``env`` for episodes with an environment).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    origins: tuple[Origin, ...]
+    turn: Turn | None = None
+    raw_logprobs: tuple[float, ...] = ()
+    last: bool = True
+    env: EnvOutcome | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EndRequest:
+    episode_id: str
+    rewards: tuple[float, ...] = ()
+    turn_rewards: tuple[float, ...] = ()
+    discard: bool = False
+    tenant: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EndResult:
+    episode: Episode
+    rewards: tuple[float, ...]
+    turn_rewards: tuple[float, ...]
+    duration_ms: float
