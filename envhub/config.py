@@ -120,7 +120,7 @@ class LoopConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_tool_calls: int = Field(
-        8, ge=0, le=256, description="Tool calls per episode at most; a malformed call counts (it costs a turn too)."
+        8, ge=0, le=256, description="Tool calls executed per episode at most; malformed calls use up this budget too."
     )
     max_calls_per_turn: int = Field(4, ge=1, le=64, description="Tool calls executed from one model turn at most.")
 

@@ -12,11 +12,11 @@ an environment attached:
 - the bound (``max_tool_calls`` per episode) is reached -> the turn is graded as the final
   answer with its tool calls stripped, ``truncated=True``.
 
-Invariants: at most ``max_tool_calls`` calls are made per episode, malformed ones included
-(an unparsable block or entry uses up one call, as it uses up a turn), and at most
-``max_calls_per_turn`` are executed per turn, so ``on_turn`` returns ``should_continue=False``
-after at most ``max_tool_calls + 1`` turns even for a model that only writes broken calls;
-the loop never raises for anything the model wrote.
+Invariants: at most ``max_tool_calls`` calls are executed per episode and at most
+``max_calls_per_turn`` per turn; an unparsable block or entry uses up one call of the episode's
+budget too (as it uses up a turn), so ``on_turn`` returns ``should_continue=False`` after at most
+``max_tool_calls + 1`` turns even for a model that only writes broken calls; the loop never
+raises for anything the model wrote.
 """
 
 from __future__ import annotations
