@@ -205,10 +205,13 @@ class ToyEngine:
                 if stopped:
                     finish = FinishReason.STOP
                     break
-                if self.config.token_delay_s or produced % self.config.yield_every < len(emitted):
+                if produced < budget and (
+                    self.config.token_delay_s or produced % self.config.yield_every < len(emitted)
+                ):
                     # Emit what we have and let other episodes and cancellation in. Not after
                     # every token: one event-loop turn costs ~100 us inside a grpc.aio server,
                     # more than a toy token, so tokens go out in batches as real engines do.
+                    # Not at the budget either: the last chunk below carries those tokens.
                     yield TokenChunk(
                         tuple(ids), tuple(logprobs), version, self._origins(origins), raw_logprobs=tuple(raw)
                     )
