@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -69,6 +70,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def measured(pid: int, work: Awaitable[object]) -> tuple[float, float, float]:
+    """Run ``work``: (wall seconds, CPU seconds of the server process ``pid``, CPU seconds of this client)."""
+    cpu0, own0, start = cpu_seconds(pid), time.process_time(), time.perf_counter()
+    await work
+    return time.perf_counter() - start, cpu_seconds(pid) - cpu0, time.process_time() - own0
+
+
 async def throughput(
     client: AsyncBridgeClient, episodes: int, seconds: float, pid: int, turns: int = TURNS_PER_EPISODE
 ) -> tuple[float, float, float]:
@@ -90,9 +98,7 @@ async def throughput(
                 done += 1
             await client.discard_episode(ep)
 
-    cpu0, own0, start = cpu_seconds(pid), time.process_time(), time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(episodes)))
-    elapsed, cpu, own = time.perf_counter() - start, cpu_seconds(pid) - cpu0, time.process_time() - own0
+    elapsed, cpu, own = await measured(pid, asyncio.gather(*(worker() for _ in range(episodes))))
     return done / elapsed, done / cpu, own / done
 
 
@@ -131,9 +137,7 @@ async def floor(n: int, seconds: float) -> tuple[list[float], float, float, floa
                     await client.step("floor", [9])
                     done += 1
 
-            cpu0, own0, start = cpu_seconds(proc.pid), time.process_time(), time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(64)))
-            elapsed, cpu, own = time.perf_counter() - start, cpu_seconds(proc.pid) - cpu0, time.process_time() - own0
+            elapsed, cpu, own = await measured(proc.pid, asyncio.gather(*(worker() for _ in range(64))))
             return lat, done / elapsed, done / cpu, own / done
     finally:
         proc.terminate()

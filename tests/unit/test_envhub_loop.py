@@ -151,7 +151,7 @@ async def test_malformed_calls_count_toward_the_bound() -> None:
     assert d.should_continue and d.tool_calls == 0 and d.observation[0].content.startswith("error (invalid)")
     d = await loop.on_turn("<tool_call>[]</tool_call>")  # an empty list of calls: also a call gone wrong
     assert d.should_continue and d.observation[0].content == "error (invalid): empty tool call"
-    d = await loop.on_turn("<tool_call>[1, 2]</tool_call>" + call(a=1, b=1))  # one malformed entry, one good call
+    d = await loop.on_turn("<tool_call>[1, 2]</tool_call>" + call(a=1, b=1))  # two malformed entries, one good call
     assert d.should_continue and d.tool_calls == 1 and env.calls == [(1, 1)]
     d = await loop.on_turn("<tool_call>{oops</tool_call>")
     assert not d.should_continue and d.done and d.truncated and d.reason == "max_tool_calls"
