@@ -22,7 +22,7 @@ __all__ = ["Engine", "EngineConfig", "Tokenizer", "make_engines"]
 
 async def make_engines(config: EngineConfig) -> list[Engine]:
     """Start the replicas of the configured engine (one per URL for remote engines)."""
-    from server.errors import InvalidArgument
+    from engines.errors import InvalidArgument
 
     if config.type == "toy":
         from engines.toy import ToyEngine

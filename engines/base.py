@@ -65,7 +65,7 @@ class Engine(Protocol):
     async def health(self) -> EngineHealth: ...
 
     async def update_weights(self, update: WeightUpdate) -> None:
-        """Swap in new weights; raise ``server.errors.Unimplemented`` if impossible."""
+        """Swap in new weights; raise ``engines.errors.Unimplemented`` if impossible."""
 
     async def release(self, episode_id: str) -> None:
         """Forget an ended episode's state (KV); a no-op for stateless engines."""

@@ -13,8 +13,8 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from engines.errors import InvalidArgument
 from engines.types import Message
-from server.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

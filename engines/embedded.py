@@ -46,6 +46,7 @@ import numpy as np
 
 from engines.chat import HFTokenizer
 from engines.config import EmbeddedConfig
+from engines.errors import EngineError, EngineUnavailable, InvalidArgument
 from engines.kvcache import (
     KVStore,
     Parked,
@@ -71,7 +72,6 @@ from engines.types import (
     check_token_ids,
 )
 from engines.weights import read_checkpoint
-from server.errors import EngineError, EngineUnavailable, InvalidArgument
 
 if TYPE_CHECKING:
     import torch

@@ -13,7 +13,7 @@ Invariants
 * Retries happen only at the network edge and only when no connection could be opened (so
   nothing was sent): bounded by ``connect_retries`` attempts *and* ``retry_budget_s``. A
   generation request that reached the engine is never sent twice.
-* Errors are ``server.errors`` classes naming the engine and replica: unreachable / 5xx /
+* Errors are ``engines.errors`` classes naming the engine and replica: unreachable / 5xx /
   dropped stream -> ``EngineUnavailable``; a payload that breaks the documented wire format
   -> ``EngineProtocolError`` naming the field; 400/422 -> ``InvalidArgument`` (or
   ``TokenOutOfVocabulary`` when the engine names an out-of-vocabulary id); silence beyond
@@ -54,6 +54,15 @@ import httpx
 
 from engines.base import Tokenizer
 from engines.config import RemoteEngineConfig
+from engines.errors import (
+    DeadlineExceeded,
+    EngineProtocolError,
+    EngineUnavailable,
+    InvalidArgument,
+    PrimeRLError,
+    TokenOutOfVocabulary,
+    Unimplemented,
+)
 from engines.types import (
     EngineCounters,
     EngineHealth,
@@ -66,15 +75,6 @@ from engines.types import (
     WeightUpdate,
 )
 from engines.wire import Wire, error_message, iter_sse, parse_prometheus
-from server.errors import (
-    DeadlineExceeded,
-    EngineProtocolError,
-    EngineUnavailable,
-    InvalidArgument,
-    PrimeRLError,
-    TokenOutOfVocabulary,
-    Unimplemented,
-)
 
 log = logging.getLogger("primerl.engines")
 # What a dropped or silent engine stream raises while we read it (see RemoteEngine._raise_stream_failure).

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from engines.errors import Aborted
 from engines.http_base import Delta, RemoteEngine, StreamState
 from engines.types import FinishReason, Usage
 from engines.wire import finish_from_openai
-from server.errors import Aborted
 
 
 class OpenAICompletionsEngine(RemoteEngine):

@@ -16,9 +16,9 @@ from typing import Any
 
 from engines.base import Tokenizer
 from engines.config import EngineConfig, RemoteEngineConfig
+from engines.errors import InvalidArgument
 from engines.http_base import RemoteEngine, redact_url
 from engines.types import ModelFacts
-from server.errors import InvalidArgument
 
 log = logging.getLogger("primerl.engines")
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from engines.config import SglangConfig
+from engines.errors import Aborted, InvalidArgument
 from engines.http_base import Delta, RemoteEngine, StreamState
 from engines.types import FinishReason, GenerateRequest, Usage, WeightUpdate
-from server.errors import Aborted, InvalidArgument
 
 CACHE_METRICS = ("sglang:cached_tokens_total", "sglang:prompt_tokens_total")
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from engines.errors import Unimplemented
 from engines.openai_compat import OpenAICompletionsEngine
 from engines.types import GenerateRequest, WeightUpdate
-from server.errors import Unimplemented
 
 
 class TrtllmEngine(OpenAICompletionsEngine):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from server.errors import InvalidArgument, TokenOutOfVocabulary
+from engines.errors import InvalidArgument, TokenOutOfVocabulary
 
 
 class Origin(enum.IntEnum):

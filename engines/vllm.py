@@ -56,6 +56,15 @@ from typing import Any, ClassVar
 import httpx
 
 from engines.config import VllmConfig
+from engines.errors import (
+    Aborted,
+    DeadlineExceeded,
+    EngineProtocolError,
+    EngineUnavailable,
+    InvalidArgument,
+    PrimeRLError,
+    Unimplemented,
+)
 from engines.http_base import StreamState
 from engines.openai_compat import OpenAICompletionsEngine
 from engines.types import (
@@ -68,15 +77,6 @@ from engines.types import (
     check_token_ids,
 )
 from engines.wire import finish_from_openai
-from server.errors import (
-    Aborted,
-    DeadlineExceeded,
-    EngineProtocolError,
-    EngineUnavailable,
-    InvalidArgument,
-    PrimeRLError,
-    Unimplemented,
-)
 
 _SAFE_SALT = re.compile(r"[A-Za-z0-9._:+-]+")
 PREFIX_CACHE_METRICS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from server.errors import InvalidArgument
+from engines.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import torch

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
+from engines.errors import EngineProtocolError
 from engines.types import FinishReason
-from server.errors import EngineProtocolError
 
 NEG_INF_CLAMP = -9999.0
 """vLLM and TRT-LLM send -inf as this value; anything at or below it is -inf."""

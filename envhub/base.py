@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from engines.errors import FailedPrecondition, InvalidArgument, ToolError
 from engines.types import Message
 from envhub.rewards import RewardContext, Shaper, extract_answer
 from envhub.types import (
@@ -32,7 +33,6 @@ from envhub.types import (
     ToolSpec,
     ToolTraceEntry,
 )
-from server.errors import FailedPrecondition, InvalidArgument, ToolError
 
 
 @runtime_checkable

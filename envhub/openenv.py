@@ -31,10 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from engines.errors import FailedPrecondition, InvalidArgument, PrimeRLError, ToolError
 from engines.types import Message
 from envhub.base import Environment
 from envhub.types import JSON, Action, EnvState, FinalAnswer, ResetResult, StepResult, ToolCall, ToolSpec
-from server.errors import FailedPrecondition, InvalidArgument, PrimeRLError, ToolError
 
 _MESSAGE_SCHEMA = {
     "type": "object",

@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from engines.errors import InvalidArgument
 from envhub.base import Environment
 from envhub.config import EnvHubConfig
-from server.errors import InvalidArgument
 
 EnvFactory = Callable[[EnvHubConfig], Environment]
 

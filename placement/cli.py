@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from server.errors import PrimeRLError
+from engines.errors import PrimeRLError
 
 
 def add_placement_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

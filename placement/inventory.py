@@ -18,9 +18,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from engines.errors import FailedPrecondition
 from placement.catalog import GPU_TYPES, gpu_type, place_layout
 from placement.config import FleetFile, NodeSpec, load_fleet
-from server.errors import FailedPrecondition
 
 _PROFILE_CONSTS = (
     "NVML_GPU_INSTANCE_PROFILE_1_SLICE",

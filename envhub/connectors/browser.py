@@ -17,8 +17,8 @@ import os
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
+from engines.errors import ToolError
 from envhub.config import BrowserConfig
-from server.errors import ToolError
 
 
 def origin_of(url: str) -> str:

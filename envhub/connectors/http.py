@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from engines.errors import ToolError
 from envhub.config import HttpConfig
-from server.errors import ToolError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], Awaitable[list[str]]]

@@ -33,9 +33,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from engines.errors import ToolError
 from envhub.config import SandboxConfig
 from envhub.connectors import seccomp
-from server.errors import ToolError
 
 # Runs inside the sandbox: sets hard rlimits, then executes the code read from stdin.
 _BOOT = r"""

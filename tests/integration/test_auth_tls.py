@@ -15,10 +15,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engines.errors import InvalidArgument
 from rl_client import AsyncBridgeClient
 from rl_client.errors import PermissionDeniedError, UnauthenticatedError, UnavailableError
 from server.auth import hash_token
-from server.errors import InvalidArgument
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-9876543210"
 AUTH = {"token_hashes": [f"alice:{hash_token(ALICE)}", f"bob:{hash_token(BOB)}"]}

@@ -17,17 +17,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engines.config import SglangConfig, ToyConfig
-from engines.sglang import SglangEngine
-from engines.toy import ToyEngine
-from engines.types import FinishReason, GenerateRequest, ModelFacts, SamplingParams, TokenChunk, WeightUpdate
-from rl_client.errors import AbortedError, DeadlineExceededError, UnavailableError
-from server.errors import (
+from engines.errors import (
     DeadlineExceeded,
     EngineProtocolError,
     EngineUnavailable,
     InvalidArgument,
     TokenOutOfVocabulary,
 )
+from engines.sglang import SglangEngine
+from engines.toy import ToyEngine
+from engines.types import FinishReason, GenerateRequest, ModelFacts, SamplingParams, TokenChunk, WeightUpdate
+from rl_client.errors import AbortedError, DeadlineExceededError, UnavailableError
 from tests.integration.engine_script import bridge_over, end_when_idle, run_episode_script
 from tests.standins._common import StandinServer
 from tests.standins.sglang import SglangStandin

@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from engines.config import ToyConfig, TrtllmConfig
+from engines.errors import DeadlineExceeded, EngineProtocolError, InvalidArgument, TokenOutOfVocabulary, Unimplemented
 from engines.toy import ToyEngine
 from engines.trtllm import TrtllmEngine
 from engines.types import FinishReason, GenerateRequest, ModelFacts, SamplingParams, TokenChunk, WeightUpdate
 from rl_client.errors import DeadlineExceededError, UnavailableError, UnimplementedError
-from server.errors import DeadlineExceeded, EngineProtocolError, InvalidArgument, TokenOutOfVocabulary, Unimplemented
 from tests.integration.engine_script import bridge_over, end_when_idle, run_episode_script
 from tests.standins._common import StandinServer
 from tests.standins.trtllm import TrtllmStandin

@@ -23,11 +23,11 @@ import pytest
 
 from engines import make_engines
 from engines.config import EngineConfig
+from engines.errors import Aborted, InvalidArgument, TokenOutOfVocabulary
 from engines.launch import VllmProcess, provision_vllm
 from engines.model_store import ensure_converted
 from engines.types import FinishReason, GenerateRequest, Message, Origin, SamplingParams, TokenChunk, WeightUpdate
 from engines.vllm import VllmEngine
-from server.errors import Aborted, InvalidArgument, TokenOutOfVocabulary
 from tests.integration.engine_script import bridge_over, run_episode_script
 
 SYSTEM = (

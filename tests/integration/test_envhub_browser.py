@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from engines.errors import ToolError
 from envhub import EnvHubConfig, make_env
 from envhub.config import BrowserConfig
 from envhub.connectors.browser import BrowserSession, origin_of
 from envhub.loop import ToolLoop
 from envhub.testsite import serve_test_site
-from server.errors import ToolError
 
 pytest.importorskip("playwright")
 pytestmark = [

@@ -9,10 +9,10 @@ from urllib.parse import quote
 
 import pytest
 
+from engines.errors import ToolError
 from envhub.config import HttpConfig
 from envhub.connectors.http import SafeHttpClient, system_resolver
 from envhub.testsite import serve_test_site
-from server.errors import ToolError
 
 
 @pytest.fixture(scope="module")

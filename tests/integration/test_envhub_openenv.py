@@ -11,6 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
+from engines.errors import FailedPrecondition, InvalidArgument
 from envhub.config import SqlConfig
 from envhub.connectors.sql import SqliteReadOnly
 from envhub.envs._data import BUNDLED_DB, load_tasks
@@ -18,7 +19,6 @@ from envhub.envs.sql_qa import SqlQaEnv
 from envhub.loop import ToolLoop
 from envhub.openenv import OpenEnvClient, create_app
 from envhub.types import FinalAnswer, ToolCall
-from server.errors import FailedPrecondition, InvalidArgument
 
 
 @pytest.fixture

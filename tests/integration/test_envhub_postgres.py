@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from engines.errors import ToolError
 from envhub.config import SqlConfig
 from envhub.connectors.sql import PostgresReadOnly
-from server.errors import ToolError
 
 psycopg = pytest.importorskip("psycopg")
 ADMIN_DSN = "host=127.0.0.1 port=5432 dbname=test connect_timeout=3"

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from engines.errors import ToolError
 from envhub.config import SandboxConfig
 from envhub.connectors import seccomp
 from envhub.connectors.sandbox import CodeSandbox, default_python
 from envhub.envs._data import load_tasks
 from envhub.envs.code_math import CodeMathEnv
 from envhub.loop import ToolLoop
-from server.errors import ToolError
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is installed by `make setup`")
 

@@ -41,8 +41,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from engines.base import Engine
+from engines.errors import PrimeRLError
 from engines.types import FinishReason, GenerateRequest, SamplingParams, WeightUpdate
-from server.errors import PrimeRLError
 from tests.standins._common import (
     Faults,
     StandinServer,

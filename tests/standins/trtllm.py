@@ -38,8 +38,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engines.base import Engine
+from engines.errors import PrimeRLError
 from engines.types import FinishReason, GenerateRequest, SamplingParams, TokenChunk
-from server.errors import PrimeRLError
 from tests.standins._common import Faults, StandinServer, clamp_inf, decode, generate, sse
 
 

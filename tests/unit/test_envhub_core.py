@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.errors import InvalidArgument
 from envhub import EnvHubConfig, make_env, names, register
 from envhub.base import Task, ToolEnvironment
 from envhub.graders import grade_exact
@@ -23,7 +24,6 @@ from envhub.rewards import (
     extract_answer,
 )
 from envhub.types import FinalAnswer, ToolTraceEntry
-from server.errors import InvalidArgument
 
 
 def test_shaper_terms_and_clip() -> None:

@@ -7,11 +7,11 @@ from collections.abc import Mapping
 
 import pytest
 
+from engines.errors import FailedPrecondition, ToolError
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig, LoopConfig
 from envhub.loop import ToolLoop, parse_tool_calls, start_env_episode, strip_tool_calls
 from envhub.types import JSON, FinalAnswer, ToolCall, ToolResult, ToolSpec
-from server.errors import FailedPrecondition, ToolError
 
 ADD = ToolSpec(
     name="add",

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from engines.errors import ToolError
 from envhub.config import SqlConfig
 from envhub.connectors.sql import SqliteReadOnly, first_keyword, render_rows
 from envhub.envs._data import BUNDLED_DB
-from server.errors import ToolError
 
 
 def _digest(path: Path) -> str:

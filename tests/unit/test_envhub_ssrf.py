@@ -10,9 +10,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from engines.errors import ToolError
 from envhub.config import HttpConfig
 from envhub.connectors.http import SafeHttpClient, address_block_reason, system_resolver
-from server.errors import ToolError
 
 BLOCKED = [
     "127.0.0.1",

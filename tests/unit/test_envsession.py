@@ -12,12 +12,12 @@ from collections.abc import Mapping
 
 import pytest
 
+from engines.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ToolError
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig, LoopConfig
 from envhub.loop import EnvEpisode, ToolLoop
 from envhub.types import JSON, Action, ToolCall, ToolResult, ToolSpec
 from server.envsession import EnvSession, open_env_sessions
-from server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ToolError
 
 SPEC = ToolSpec("probe", "A tool that misbehaves as told.", {"type": "object", "properties": {}})
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from engines.errors import InvalidArgument
 from placement.config import load_fleet, load_models
-from server.errors import InvalidArgument
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD_MODEL = "  - name: a\n    config: qwen2.5-7b\n    demand: {tokens_per_s: 1000}\n"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from engines.errors import FailedPrecondition
 from placement.catalog import GPU_TYPES
 from placement.inventory import GpuRecord, MigDevice, fleet_from_records, load_inventory, nvml_module
 from server.cli import main
-from server.errors import FailedPrecondition
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = REPO / "examples/placement/fleet.yaml"

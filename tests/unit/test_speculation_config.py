@@ -45,10 +45,10 @@ def test_factory_returns_no_drafter_when_disabled_or_constrained() -> None:
 def test_constrained_mode_is_refused_on_engines_that_cannot_mask() -> None:
     """Only the embedded engine decodes under a grammar mask: the others would silently ignore it."""
     from engines.config import ToyConfig
+    from engines.errors import InvalidArgument
     from engines.toy import ToyEngine
     from server.bridge import Bridge
     from server.config import AdmissionConfig, SamplingDefaults
-    from server.errors import InvalidArgument
 
     constrained: dict[str, Any] = {"enabled": True, "mode": "constrained"}
     for engine in ("toy", "vllm", "sglang", "trtllm"):
