@@ -1,16 +1,16 @@
 """Global prefix cache: fingerprints (chained block hashes) and index backends (memory, Redis).
 
-``make_index(config, redis_url)`` picks the backend; routing (placement/policies.py) only
+``make_index(config, redis_url)`` picks the backend; routing (placement/routing/) only
 sees the ``PrefixIndex`` protocol.
 """
 
 from __future__ import annotations
 
 from cache.config import CacheConfig
-from cache.fingerprint import Fingerprinter, salt_of
+from cache.fingerprint import Fingerprinter
 from cache.index import IndexStats, Match, MemoryIndex, PrefixIndex
 
-__all__ = ["CacheConfig", "Fingerprinter", "IndexStats", "Match", "MemoryIndex", "PrefixIndex", "make_index", "salt_of"]
+__all__ = ["CacheConfig", "Fingerprinter", "IndexStats", "Match", "MemoryIndex", "PrefixIndex", "make_index"]
 
 
 def make_index(config: CacheConfig, redis_url: str = "") -> PrefixIndex:

@@ -2,7 +2,8 @@
 
 The hash (stable across processes, machines and Python versions; never ``hash()``):
 
-- root seed = ``xxh3_64("primerl/pfx/v1|" + model + "|" + lora + "|" + policy_version)`` (UTF-8);
+- root seed = ``xxh3_64("primerl/pfx/v1|" + str(salt))`` (UTF-8), the salt being an
+  ``engines.salt.CacheSalt`` (``model|lora|policy_version``, then ``|tenant`` when there is one);
 - block ``i`` (tokens ``[i*B, (i+1)*B)`` as little-endian uint32) hashes to
   ``h_i = xxh3_64(block_bytes, seed=h_{i-1})`` with ``h_{-1}`` = the root seed.
 
@@ -29,13 +30,10 @@ from typing import Literal
 import numpy as np
 import xxhash
 
+from engines.salt import CacheSalt
+
 HashAlgo = Literal["xxh3_64", "blake2b"]
 _MASK = (1 << 64) - 1
-
-
-def salt_of(model: str, lora: str, policy_version: int) -> str:
-    """The salt string every bridge derives for (model, LoRA adapter, policy version)."""
-    return f"{model}|{lora}|{policy_version}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,17 +47,17 @@ class Fingerprinter:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
-    def root(self, salt: str) -> int:
-        data = ("primerl/pfx/v1|" + salt).encode()
+    def root(self, salt: CacheSalt | str) -> int:
+        data = ("primerl/pfx/v1|" + str(salt)).encode()
         if self.algo == "xxh3_64":
             return int(xxhash.xxh3_64_intdigest(data))
         return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
-    def hashes(self, token_ids: Sequence[int], salt: str) -> list[int]:
+    def hashes(self, token_ids: Sequence[int], salt: CacheSalt | str) -> list[int]:
         """Hashes of every full block of ``token_ids``."""
         return self.extend([], token_ids, salt)
 
-    def extend(self, prev: Sequence[int], token_ids: Sequence[int], salt: str) -> list[int]:
+    def extend(self, prev: Sequence[int], token_ids: Sequence[int], salt: CacheSalt | str) -> list[int]:
         """``prev`` (hashes of a prefix of ``token_ids`` under ``salt``) continued to every full block."""
         b = self.block_size
         n = len(token_ids) // b

@@ -22,8 +22,8 @@ Invariants
   ``-inf``, and a field that breaks the wire format is named in the error.
 * A stream is parsed one SSE event at a time; tokens are yielded as they arrive, and the
   last chunk carries the finish reason and usage (held back until the usage is known).
-* The prefix cache is salted with ``model@policy_version`` (the bridge's ``cache_salt``, or
-  this replica's own version when none is given) so KV of old weights is never reused.
+* The prefix cache is salted with an ``engines.salt.CacheSalt`` (the bridge's ``cache_salt``, or
+  the model at this replica's own version when none is given) so KV of old weights is never reused.
 * No turn straddles a weight update: ``update_weights`` (``exclusive_update``) stops admitting
   new generations on the replica, waits up to ``weight_update_timeout_s`` for the in-flight
   ones to finish (then aborts the stragglers, which end with ``ABORT`` and old-version tokens
@@ -63,6 +63,7 @@ from engines.errors import (
     TokenOutOfVocabulary,
     Unimplemented,
 )
+from engines.salt import CacheSalt
 from engines.types import (
     EngineCounters,
     EngineHealth,
@@ -462,14 +463,12 @@ class RemoteEngine:
         return self._salt(request, self._version)
 
     def _salt(self, request: GenerateRequest, version: int) -> str:
-        """The request's salt, or ``model@version``; a ``model@N`` salt naming another version than
+        """The request's salt, or the model's at ``version``; a ``CacheSalt`` naming another version than
         the one that will run (the turn was held behind a weight update) is moved to ``version``."""
         if not request.cache_salt:
-            return f"{self._info.model}@{version}"
-        model, sep, named = request.cache_salt.rpartition("@")
-        if sep and named.isdigit() and int(named) != version:
-            return f"{model}@{version}"
-        return request.cache_salt
+            return str(CacheSalt(self._info.model, version))
+        salt = CacheSalt.parse(request.cache_salt)
+        return str(salt.at(version)) if salt is not None else request.cache_salt
 
     async def abort(self, request_id: str) -> None:
         state = self._live.get(request_id)

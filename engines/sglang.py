@@ -18,7 +18,7 @@ Invariants
 * Abort is ``POST /abort_request {rid}``: the stream then ends with an ``abort`` finish. An
   abort the bridge did not ask for is an ``Aborted`` error carrying SGLang's message.
 * Weight updates go through ``/update_weights_from_disk`` with ``weight_version`` and a
-  radix-cache flush; ``cache_salt`` is also ``model@policy_version``.
+  radix-cache flush; ``cache_salt`` is the request's ``engines.salt.CacheSalt`` (re-versioned).
 """
 
 from __future__ import annotations

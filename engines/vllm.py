@@ -12,7 +12,7 @@ Invariants
 * The logprob of a sampled token is the one of the distribution it was drawn from: the
   server must run with ``--logprobs-mode processed_logprobs`` (``primerl engine launch vllm``
   and ``scripts/serve_vllm.sh`` do); ``-9999.0`` (vLLM's clamp of -inf) is read as -inf.
-* ``cache_salt`` is derived from ``model@policy_version`` (hashed: vLLM rejects ``@``): vLLM
+* ``cache_salt`` is derived from the request's ``engines.salt.CacheSalt`` (hashed: vLLM rejects ``|``): vLLM
   keeps its prefix cache across a weight reload, and the salt keeps KV of old weights unused.
 * A weight directory is checked locally before vLLM is asked to load it (a bad path kills
   the vLLM server); the reload itself is the dev-mode ``/collective_rpc reload_weights``.
@@ -85,7 +85,7 @@ PREFIX_CACHE_METRICS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queri
 def vllm_salt(salt: str) -> str:
     """A ``cache_salt`` vLLM accepts: at most 128 characters, none of ``@ / \\`` or NUL, not empty.
 
-    The bridge's salt (``model@policy_version``) contains ``@``, so anything outside
+    The bridge's salt (``str(CacheSalt)``) contains ``|``, so anything outside
     ``[A-Za-z0-9._:+-]`` is replaced by a digest of the whole salt (distinct salts stay distinct).
     """
     if salt and len(salt) <= 128 and _SAFE_SALT.fullmatch(salt):

@@ -9,15 +9,16 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cache import CacheConfig, Fingerprinter, MemoryIndex, salt_of
+from cache import CacheConfig, Fingerprinter, MemoryIndex
 from cache.loadboard import RedisLoadBoard
 from cache.redis_index import RedisIndex
+from engines.salt import CacheSalt
 from placement.policies import CacheAware, RouteRequest
 from tests.integration.redis_proc import PrivateRedis
 
 BS = 4
 FP = Fingerprinter(block_size=BS)
-SALT = salt_of("m", "", 1)
+SALT = str(CacheSalt("m", 1))
 # Generous budget: the test machine is shared; the 2 ms budget is measured by bench/cache_index.py.
 CFG = CacheConfig(block_size=BS, lookup_budget_ms=200, write_timeout_ms=500, backoff_s=0.2, near_cache_ttl_s=0)
 
@@ -56,11 +57,11 @@ async def test_two_bridges_share_entries_and_pins(two_indexes: tuple[RedisIndex,
 async def test_entries_written_by_another_process_are_seen(redis_server: PrivateRedis) -> None:
     code = (
         "import asyncio, sys\n"
-        "from cache import CacheConfig, Fingerprinter, salt_of\n"
+        "from cache import CacheConfig, Fingerprinter\nfrom engines.salt import CacheSalt\n"
         "from cache.redis_index import RedisIndex\n"
         "async def main():\n"
         "    idx = RedisIndex(sys.argv[1], CacheConfig(block_size=4, write_timeout_ms=2000))\n"
-        "    await idx.confirm(5, Fingerprinter(block_size=4).hashes(list(range(40)), salt_of('m', '', 1)))\n"
+        "    await idx.confirm(5, Fingerprinter(block_size=4).hashes(list(range(40)), str(CacheSalt('m', 1))))\n"
         "    await idx.close()\n"
         "asyncio.run(main())\n"
     )

@@ -62,7 +62,7 @@ async def collect(engine: SglangEngine | ToyEngine, request: GenerateRequest) ->
 
 
 def request(rid: str = "r1", **params: object) -> GenerateRequest:
-    return GenerateRequest(rid, PROMPT, SamplingParams(**params), cache_salt="toy@0")  # type: ignore[arg-type]
+    return GenerateRequest(rid, PROMPT, SamplingParams(**params), cache_salt="toy||0")  # type: ignore[arg-type]
 
 
 async def test_request_uses_sglang_field_names_and_sends_every_knob(standin) -> None:  # type: ignore[no-untyped-def]
@@ -71,7 +71,7 @@ async def test_request_uses_sglang_field_names_and_sends_every_knob(standin) -> 
     await collect(eng, request(seed=5, max_tokens=4, stop_token_ids=(9,), top_k=7))
     body = sg.requests[-1]
     assert body["input_ids"] == list(PROMPT) and body["rid"] == "r1" and body["stream"] is True
-    assert body["return_logprob"] is True and body["logprob_start_len"] == -1 and body["cache_salt"] == "toy@0"
+    assert body["return_logprob"] is True and body["logprob_start_len"] == -1 and body["cache_salt"] == "toy||0"
     sp = body["sampling_params"]
     assert sp["sampling_seed"] == 5 and "seed" not in sp
     assert sp["max_new_tokens"] == 4 and sp["top_k"] == 7 and sp["stop_token_ids"] == [9] and sp["no_stop_trim"]
@@ -161,7 +161,7 @@ async def test_weight_update_sends_version_and_flush(standin) -> None:  # type: 
     eng = adapter(server.url, toy)
     unsalted = GenerateRequest("u0", PROMPT, SamplingParams(seed=1, max_tokens=8, ignore_eos=True))
     before = await collect(eng, unsalted)
-    assert sg.requests[-1]["cache_salt"] == "toy@0" and sg.received[-1].cache_salt == "toy@0"
+    assert sg.requests[-1]["cache_salt"] == "toy||0" and sg.received[-1].cache_salt == "toy||0"
     await eng.update_weights(WeightUpdate("/", 1))
     assert eng.policy_version == 1 and sg.weight_version == "1" and toy.policy_version == 1
     assert sg.weight_updates[-1]["weight_version"] == "1" and sg.weight_updates[-1]["flush_cache"] is True
@@ -169,17 +169,17 @@ async def test_weight_update_sends_version_and_flush(standin) -> None:  # type: 
     after = await collect(eng, GenerateRequest("u1", PROMPT, SamplingParams(seed=1, max_tokens=8, ignore_eos=True)))
     assert after[-1].policy_version == 1
     # The salt is the adapter's own (no salt in the request), and it reached the backing engine.
-    assert sg.requests[-1]["cache_salt"] == "toy@1" and sg.received[-1].cache_salt == "toy@1"
+    assert sg.requests[-1]["cache_salt"] == "toy||1" and sg.received[-1].cache_salt == "toy||1"
     assert [x for c in before for x in c.logprobs] != [x for c in after for x in c.logprobs]
     await eng.update_weights(WeightUpdate("/", 2, keep_kv=True))
     assert sg.weight_updates[-1]["flush_cache"] is False and sg.flushes == ["update_weights_from_disk"]
     with pytest.raises(InvalidArgument, match=r"could not load|does not exist"):
         await eng.update_weights(WeightUpdate("/no/such/dir", 3))
     assert eng.policy_version == 2 and sg.flushes == ["update_weights_from_disk"]
-    await collect(eng, GenerateRequest("b", PROMPT, SamplingParams(max_tokens=2), cache_salt="toy@2"))
-    assert sg.requests[-1]["cache_salt"] == "toy@2" and sg.received[-1].cache_salt == "toy@2"  # used as given
+    await collect(eng, GenerateRequest("b", PROMPT, SamplingParams(max_tokens=2), cache_salt="toy||2"))
+    assert sg.requests[-1]["cache_salt"] == "toy||2" and sg.received[-1].cache_salt == "toy||2"  # used as given
     await collect(eng, request(rid="stale"))  # a salt naming an older version is moved to the one running
-    assert sg.requests[-1]["cache_salt"] == "toy@2" and sg.received[-1].cache_salt == "toy@2"
+    assert sg.requests[-1]["cache_salt"] == "toy||2" and sg.received[-1].cache_salt == "toy||2"
     await eng.close()
 
 
@@ -205,9 +205,9 @@ async def test_update_waits_for_the_turn_in_flight_so_no_turn_straddles_versions
     assert sg.weight_updates[0]["running"] == 0  # the engine reloaded with nothing in flight
     held = await later
     assert {c.policy_version for c in held} == {1}
-    # It carried the bridge's salt for version 0 ("toy@0"); it ran on version 1, so it is salted "toy@1".
-    assert sg.requests[-1]["rid"] == "later" and sg.requests[-1]["cache_salt"] == "toy@1"
-    assert sg.received[-1].cache_salt == "toy@1"
+    # It carried the bridge's salt for version 0 ("toy||0"); it ran on version 1, so it is salted "toy||1".
+    assert sg.requests[-1]["rid"] == "later" and sg.requests[-1]["cache_salt"] == "toy||1"
+    assert sg.received[-1].cache_salt == "toy||1"
     await eng.close()
 
 

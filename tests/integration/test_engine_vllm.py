@@ -177,7 +177,7 @@ async def test_weight_reload_changes_outputs_and_is_salted(vllm_url: str, model_
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
     def req(rid: str) -> GenerateRequest:
-        return GenerateRequest(rid, prompt, greedy)  # no salt given: the adapter salts with model@version
+        return GenerateRequest(rid, prompt, greedy)  # no salt given: the adapter salts with the model's CacheSalt
 
     before = await collect(engine, req("w0"))
     ckpt = await asyncio.to_thread(perturbed_checkpoint, model_dir, tmp_path / "perturbed")
@@ -190,7 +190,7 @@ async def test_weight_reload_changes_outputs_and_is_salted(vllm_url: str, model_
     hits1 = (await engine.prefix_cache_stats())["vllm:prefix_cache_hits_total"]
     assert after[-1].policy_version == 1 and engine.policy_version == 1
     assert logprobs_of(after) != pytest.approx(logprobs_of(before), abs=1e-3)
-    assert hits1 == hits0  # the same prompt under new weights reused no KV (salt = model@1)
+    assert hits1 == hits0  # the same prompt under new weights reused no KV (salted with version 1)
     await engine.update_weights(WeightUpdate(str(model_dir), 2))
     back = await collect(engine, req("w2"))
     assert ids_of(back) == ids_of(before)

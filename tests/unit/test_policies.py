@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from cache import Fingerprinter, MemoryIndex, salt_of
+from cache import Fingerprinter, MemoryIndex
+from engines.salt import CacheSalt
 from placement.policies import (
     CacheAware,
     ConsistentHash,
@@ -17,7 +18,7 @@ from placement.policies import (
 
 BS = 4
 FP = Fingerprinter(block_size=BS)
-SALT = salt_of("m", "", 1)
+SALT = str(CacheSalt("m", 1))
 
 
 def cache_aware(n: int = 4, **cfg: object) -> CacheAware:
@@ -117,7 +118,7 @@ async def test_policy_version_salt_voids_old_kv_and_pins() -> None:
     d1 = await p.choose(req("a", toks, first=True))
     await p.on_engine_report(d1, 0)
     p.on_begin(d1.replica, 10)  # the old replica is now slightly busier
-    new_salt = salt_of("m", "", 2)  # UpdateWeights
+    new_salt = str(CacheSalt("m", 2))  # UpdateWeights
     d2 = await p.choose(req("a", [*toks, 1, 2, 3, 4], salt=new_salt))
     assert d2.matched_tokens == 0 and d2.reason == "load" and d2.replica != d1.replica
     d3 = await p.choose(req("b", toks, salt=new_salt, first=True))
