@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from engines.errors import InvalidArgument
+from engines.toolcall import TOOL_CALL_BEGIN, TOOL_CALL_END
 from engines.types import Message
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def tools_system_text(tool_schemas: Sequence[str]) -> str:
     return (
         "You may call one or more functions to assist with the user query. Function signatures:\n"
         f"<tools>\n{tools}\n</tools>\n"
-        'To call a function, reply with <tool_call>{"name": NAME, "arguments": {...}}</tool_call>.'
+        f'To call a function, reply with {TOOL_CALL_BEGIN}{{"name": NAME, "arguments": {{...}}}}{TOOL_CALL_END}.'
     )
 
 

@@ -16,10 +16,11 @@ Layout::
 Importing the package imports neither Playwright, psycopg nor Starlette.
 """
 
+from engines.toolcall import parse_tool_calls
 from envhub.base import Environment, Task, ToolEnvironment
 from envhub.config import EnvHubConfig
 from envhub.grammar import ToolGrammar, grammar_for
-from envhub.loop import LoopDecision, ToolLoop, parse_tool_calls
+from envhub.loop import LoopDecision, ToolLoop
 from envhub.registry import make_env, names, register
 from envhub.types import EnvState, FinalAnswer, ResetResult, StepResult, ToolCall, ToolResult, ToolSpec
 

@@ -1,8 +1,8 @@
 """Schema grammars: an environment's tool schemas, exported for the speculation layer.
 
 Invariant: the grammar is derived from the same ``ToolSpec`` list the model is prompted
-with, so a call the grammar accepts is a call the environment parses (``envhub.loop``
-accepts ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``).
+with, so a call the grammar accepts is a call the environment parses (the format and its parser are
+``engines.toolcall``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``).
 
 ``ToolGrammar`` is a plain typed object: ``tools`` is a tuple of (tool name, JSON schema of
 its arguments); ``call_schema()`` is the JSON schema of the whole call object (one branch
@@ -16,10 +16,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from engines.toolcall import TOOL_CALL_BEGIN, TOOL_CALL_END
 from envhub.types import JSON, ToolSpec
-
-TOOL_CALL_BEGIN = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.toolcall import ToolCall  # the tool-call format's own type; re-exported here
 from engines.types import Message
 
 # JSON values as they come out of ``json.loads``.
@@ -39,15 +40,6 @@ class ToolSpec:
 
     def to_json(self) -> str:
         return json.dumps(self.to_openai(), sort_keys=True)
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """A parsed tool call of the model."""
-
-    name: str
-    arguments: Mapping[str, JSON]
-    call_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ environment returned, the task's expected answer) to a float in [0, 1]. ``Rater`
 members by Pareto dominance over the objectives (``"pareto"``: 1.0 for the non-dominated front down to
 0.0 for the last front). Per-turn rewards come from ``turn_rewards``: the tool-trace score of each turn.
 
-Tool calls are parsed by the Env Hub's parser (``envhub.loop.parse_tool_calls``: ``<tool_call>`` blocks
+Tool calls are parsed by the format's one parser (``engines.toolcall.parse_tool_calls``: ``<tool_call>`` blocks
 whose payload is ``{"name", "arguments"}`` or a JSON list of those; an unterminated block is parsed as far
 as it goes), so training rewards read a turn exactly as the environment that ran it did. Arguments are
 validated against the tool's JSON schema (``jsonschema``).
@@ -22,10 +22,8 @@ from typing import Any, Literal
 
 import jsonschema
 
-from envhub.grammar import TOOL_CALL_BEGIN
-from envhub.loop import parse_tool_calls as _env_parse
-from envhub.loop import strip_end_markers
-from envhub.types import ToolCall
+from engines.toolcall import TOOL_CALL_BEGIN, ToolCall, strip_end_markers
+from engines.toolcall import parse_tool_calls as _parse_format
 
 _NUMBER = r"-?\d+(?:\.\d+)?"
 
@@ -65,7 +63,7 @@ def strip_end(text: str) -> str:
 
 def parse_tool_calls(text: str) -> ParsedTurn:
     """Parse every ``<tool_call>`` block of ``text`` (never raises)."""
-    parsed = _env_parse(strip_end(text))
+    parsed = _parse_format(strip_end(text))
     if parsed is None:
         return ParsedTurn(False, (), ())
     return ParsedTurn(True, parsed.calls, parsed.errors)

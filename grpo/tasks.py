@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engines.toolcall import format_call
 from grpo.rater import (
     Rater,
     Rollout,
@@ -56,7 +57,7 @@ EXAMPLE = (
     {"role": "user", "content": "What is 12 + 7?"},
     {
         "role": "assistant",
-        "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 + 7"}}</tool_call>',
+        "content": format_call("calculator", {"expression": "12 + 7"}),
     },
     {"role": "tool", "content": "19"},
     {"role": "assistant", "content": "Answer: 19"},

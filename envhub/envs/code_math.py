@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from engines.toolcall import format_call
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig
 from envhub.connectors.sandbox import CodeSandbox
@@ -34,7 +35,7 @@ class CodeMathEnv(ToolEnvironment):
     name = "code-math"
     system_prompt = (
         "Solve the math question. You may run Python with the run_python tool: write "
-        '<tool_call>{"name": "run_python", "arguments": {"code": "print(1 + 1)"}}</tool_call>. '
+        f"{format_call('run_python', {'code': 'print(1 + 1)'})}. "
         "Give the final answer as <answer>NUMBER</answer>."
     )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from engines.toolcall import format_call
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig
 from envhub.connectors.sql import SqliteReadOnly
@@ -37,7 +38,7 @@ class SqlQaEnv(ToolEnvironment):
         self.system_prompt = (
             "You answer questions about a company database by calling the sql_query tool, then give the final "
             "answer as <answer>...</answer>. To call a tool, write "
-            '<tool_call>{"name": "sql_query", "arguments": {"query": "..."}}</tool_call>.\nSchema:\n' + db.schema()
+            f"{format_call('sql_query', {'query': '...'})}.\nSchema:\n" + db.schema()
         )
         self.add_tool(SQL_TOOL, self._sql)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from urllib.parse import urljoin
 
+from engines.toolcall import format_call
 from envhub.base import Task, ToolEnvironment
 from envhub.config import BrowserConfig, EnvHubConfig
 from envhub.connectors.browser import BrowserSession, origin_of
@@ -54,7 +55,7 @@ class WebBrowseEnv(ToolEnvironment):
         self._started = False
         self.system_prompt = (
             f"Answer questions about the shop whose website is {self.site_url} by using the browser tools, e.g. "
-            f'<tool_call>{{"name": "navigate", "arguments": {{"url": "{self.site_url}"}}}}</tool_call>. '
+            f"{format_call('navigate', {'url': self.site_url})}. "
             "Give the final answer as <answer>...</answer>."
         )
         self.add_tool(BROWSER_TOOLS[0], self._navigate)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from html.parser import HTMLParser
 from urllib.parse import urljoin
 
+from engines.toolcall import format_call
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig
 from envhub.connectors.http import SafeHttpClient
@@ -78,7 +79,7 @@ class WebLookupEnv(ToolEnvironment):
         self.site_url = site_url if site_url.endswith("/") else site_url + "/"
         self.system_prompt = (
             f"Answer questions about the shop whose website is {self.site_url}. Read pages with the fetch_page tool: "
-            f'<tool_call>{{"name": "fetch_page", "arguments": {{"url": "{self.site_url}"}}}}</tool_call>. '
+            f"{format_call('fetch_page', {'url': self.site_url})}. "
             "Give the final answer as <answer>...</answer>."
         )
         self.add_tool(FETCH_TOOL, self._fetch)

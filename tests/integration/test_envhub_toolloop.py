@@ -21,13 +21,14 @@ import pytest
 import pytest_asyncio
 
 import envhub.registry
+from engines.toolcall import strip_end_markers, strip_tool_calls
 from engines.types import Message
 from envhub.config import EnvHubConfig
 from envhub.connectors.sql import SqliteReadOnly
 from envhub.envs import sql_qa
 from envhub.envs._data import BUNDLED_DB
 from envhub.graders import grade_exact
-from envhub.loop import start_env_episode, strip_end_markers, strip_tool_calls
+from envhub.loop import start_env_episode
 from envhub.rewards import extract_answer
 from rl_client import AsyncBridgeClient, Trajectory
 from rl_client.errors import FailedPreconditionError, InvalidArgumentError

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from engines.errors import InvalidArgument
+from engines.toolcall import TOOL_CALL_BEGIN, parse_tool_calls
 from envhub import EnvHubConfig, make_env, names, register
 from envhub.base import Task, ToolEnvironment
 from envhub.graders import grade_exact
-from envhub.grammar import TOOL_CALL_BEGIN, grammar_for
-from envhub.loop import parse_tool_calls
+from envhub.grammar import grammar_for
 from envhub.rewards import (
     CostPenalty,
     FormatBonus,

@@ -8,9 +8,10 @@ from collections.abc import Mapping
 import pytest
 
 from engines.errors import FailedPrecondition, ToolError
+from engines.toolcall import parse_tool_calls, strip_tool_calls
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig, LoopConfig
-from envhub.loop import ToolLoop, parse_tool_calls, start_env_episode, strip_tool_calls
+from envhub.loop import ToolLoop, start_env_episode
 from envhub.types import JSON, FinalAnswer, ToolCall, ToolResult, ToolSpec
 
 ADD = ToolSpec(
@@ -172,8 +173,6 @@ async def test_start_env_episode_gives_the_bridge_prompt_tools_and_loop() -> Non
 
 def test_a_string_argument_may_contain_the_end_tag() -> None:
     """The grammar allows ``</tool_call>`` inside a JSON string; the block ends where the JSON value ends."""
-    from envhub.loop import parse_tool_calls, strip_tool_calls
-
     text = 'Let me check.<tool_call>\n{"name": "echo", "arguments": {"text": "a</tool_call>b"}}\n</tool_call> done'
     parsed = parse_tool_calls(text)
     assert parsed is not None and not parsed.errors

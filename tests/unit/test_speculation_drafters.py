@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from engines.toolcall import parse_tool_calls
 from envhub.grammar import grammar_for
-from envhub.loop import parse_tool_calls
 from speculation import workload
 from speculation.config import SpeculationConfig
 from speculation.drafters import NgramIndex, SpeculativeDrafter
