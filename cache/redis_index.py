@@ -196,6 +196,8 @@ def _blob(hashes: Sequence[int]) -> bytes:
 class RedisIndex:
     """``PrefixIndex`` over a shared Redis (see module docstring)."""
 
+    fail_open_component = "redis"  # ``stats.fail_open`` is exported as primerl_fail_open_total{component="redis"}
+
     def __init__(
         self,
         url: str,

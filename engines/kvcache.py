@@ -205,6 +205,7 @@ class KVStore:
         self._items: OrderedDict[tuple[str, str], Parked] = OrderedDict()
         self._lock = threading.Lock()
         self._counters = counters
+        self._counters.extra["kv_capacity_bytes"] = budget  # with kv_bytes: the exported KV usage ratio
         self.nbytes = 0
 
     def put(self, key: tuple[str, str], item: Parked) -> None:

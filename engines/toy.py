@@ -180,8 +180,11 @@ class ToyEngine:
                     # One target "forward" scores every draft position (plus the bonus position).
                     rows = [self.logits([*history, *draft[:i]]) for i in range(len(draft) + 1)]
                     emitted = verify(rows, draft, params, rng)
-                    drafter.feedback(len(draft), sum(o == Origin.DRAFT_ACCEPTED for _, _, o in emitted))  # type: ignore[union-attr]
-                    self.counters.extra["spec_drafted"] = self.counters.extra.get("spec_drafted", 0) + len(draft)
+                    accepted = sum(o == Origin.DRAFT_ACCEPTED for _, _, o in emitted)
+                    drafter.feedback(len(draft), accepted)  # type: ignore[union-attr]
+                    extra = self.counters.extra
+                    extra["spec_drafted"] = extra.get("spec_drafted", 0) + len(draft)
+                    extra["spec_accepted"] = extra.get("spec_accepted", 0) + accepted
                     saved += len(emitted) - 1
                 elif plain:
                     token, logprob = self._sample_plain(history, rng)

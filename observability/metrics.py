@@ -13,16 +13,23 @@ Invariants:
 Engine-reported values read from ``EngineCounters.extra`` (an engine sets those it knows):
 ``kv_bytes`` (KV cache bytes held), ``kv_capacity_bytes`` (KV cache capacity),
 ``kv_usage_ppm`` (engine-reported KV usage in parts per million, for engines that report a
-fraction). Any other key is exported as ``primerl_engine_stat{name=...}``.
+fraction), ``spec_drafted`` / ``spec_accepted`` (draft tokens the engine verified / accepted,
+exported as ``primerl_speculation_{drafted,accepted}_tokens_total``). Any other key is exported
+as ``primerl_engine_stat{name=...}``.
+
+``primerl_fail_open_total{component}`` adds what the bridge counts itself
+(``fail_open.labels(component).inc()``) to what components count on their own and the
+collector reads at scrape time: the prefix index's ``stats.fail_open`` (a Redis index is
+``component="redis"``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -41,11 +48,37 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 TOKENS_PER_S_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000)
 
-KNOWN_EXTRA = frozenset({"kv_bytes", "kv_capacity_bytes", "kv_usage_ppm"})
+FAIL_OPEN_HELP = "Times a component failed and the bridge went on without it."
+KNOWN_EXTRA = frozenset({"kv_bytes", "kv_capacity_bytes", "kv_usage_ppm", "spec_drafted", "spec_accepted"})
+
+
+@runtime_checkable
+class FailOpenCounting(Protocol):
+    """A component that counts its own fail-opens (``cache.redis_index.RedisIndex``)."""
+
+    fail_open_component: str  # the ``component`` label
+
+    @property
+    def stats(self) -> _FailOpenStats: ...
+
+
+class _FailOpenStats(Protocol):
+    @property
+    def fail_open(self) -> int: ...
+
+
+class RouterView(Protocol):
+    @property
+    def index(self) -> object | None:
+        """The prefix index routing consults (None with one replica or the cache off)."""
+        ...
 
 
 class BridgeView(Protocol):
     """What the scrape-time collector reads from the bridge (``server.bridge.Bridge`` has it)."""
+
+    @property
+    def router(self) -> RouterView: ...
 
     @property
     def engines(self) -> Sequence[Engine]: ...
@@ -134,18 +167,10 @@ class BridgeMetrics:
             "primerl_prefix_index_hit_tokens", "Prompt tokens found in the bridge's prefix index.", ["model"],
             registry=r,
         )  # fmt: skip
-        self.fail_open = Counter(
-            "primerl_fail_open", "Times a component failed and the bridge went on without it.", ["component"],
-            registry=r,
-        )  # fmt: skip
-        # Speculation (speculation/ increments these).
-        self.spec_drafted = Counter(
-            "primerl_speculation_drafted_tokens", "Draft tokens proposed to the verifier.", ["model"], registry=r
-        )
-        self.spec_accepted = Counter(
-            "primerl_speculation_accepted_tokens", "Draft tokens accepted by exact verification.", ["model"],
-            registry=r,
-        )  # fmt: skip
+        # Not registered: ``FailOpenCollector`` exports it together with the components' own counts.
+        self.fail_open = Counter("primerl_fail_open", FAIL_OPEN_HELP, ["component"], registry=None)
+        self._fail_open_sources: list[Callable[[], Iterable[tuple[str, int]]]] = []
+        r.register(FailOpenCollector(self))
         self.staleness_rejections = Counter(
             "primerl_staleness_rejections", "Requests refused because their policy version was too stale.", ["model"],
             registry=r,
@@ -211,6 +236,23 @@ class BridgeMetrics:
     def attach(self, bridge: BridgeView) -> None:
         """Export the bridge's and its engines' state, read at each scrape."""
         self.registry.register(BridgeCollector(bridge, self))
+        self.watch_fail_open(lambda: _index_fail_open(bridge.router.index))
+
+    def watch_fail_open(self, read: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        """Export fail-opens a component counts itself: ``read()`` -> (component, count so far) pairs."""
+        self._fail_open_sources.append(read)
+
+    def fail_open_counts(self) -> dict[str, float]:
+        """Fail-opens so far by component: the bridge's own plus the watched components' counts."""
+        counts: dict[str, float] = {}
+        for family in self.fail_open.collect():
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    counts[s.labels["component"]] = counts.get(s.labels["component"], 0.0) + s.value
+        for read in self._fail_open_sources:
+            for component, n in read():
+                counts[component] = counts.get(component, 0.0) + n
+        return counts
 
     def hit_ratios(self) -> Iterator[tuple[str, str, str, float]]:
         """(model, engine, source, lifetime hit ratio) for every series that has data."""
@@ -249,6 +291,9 @@ class BridgeCollector(Collector):
             f.passes.add_metric(labels, c.forward_passes)
             f.requests.add_metric(labels, c.requests)
             extra = dict(c.extra)
+            if "spec_drafted" in extra:
+                f.spec_drafted.add_metric([model, *labels], extra["spec_drafted"])
+                f.spec_accepted.add_metric([model, *labels], extra.get("spec_accepted", 0))
             if "kv_bytes" in extra:
                 f.kv_bytes.add_metric(labels, extra["kv_bytes"])
             if "kv_usage_ppm" in extra:
@@ -260,6 +305,27 @@ class BridgeCollector(Collector):
             for name in sorted(extra.keys() - KNOWN_EXTRA):
                 f.stat.add_metric([*labels, name], extra[name])
         return f.all()
+
+
+def _index_fail_open(index: object | None) -> Iterator[tuple[str, int]]:
+    if isinstance(index, FailOpenCounting):
+        yield index.fail_open_component, index.stats.fail_open
+
+
+class FailOpenCollector(Collector):
+    """``primerl_fail_open_total{component}``, read at scrape time (see ``BridgeMetrics.fail_open_counts``)."""
+
+    def __init__(self, metrics: BridgeMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily("primerl_fail_open", FAIL_OPEN_HELP, labels=["component"])]
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily("primerl_fail_open", FAIL_OPEN_HELP, labels=["component"])
+        for component, n in sorted(self.metrics.fail_open_counts().items()):
+            family.add_metric([component], n)
+        return [family]
 
 
 class _Families:
@@ -296,6 +362,14 @@ class _Families:
         self.kv_usage = GaugeMetricFamily(
             "primerl_engine_kv_usage_ratio", "Engine-reported KV cache usage (0..1).", labels=er
         )
+        mer = ["model", *er]
+        self.spec_drafted = CounterMetricFamily(
+            "primerl_speculation_drafted_tokens", "Draft tokens the engine verified (speculation).", labels=mer
+        )
+        self.spec_accepted = CounterMetricFamily(
+            "primerl_speculation_accepted_tokens", "Draft tokens the engine accepted by exact verification.",
+            labels=mer,
+        )  # fmt: skip
         self.healthy = GaugeMetricFamily("primerl_engine_healthy", "1 if the last health check passed.", labels=er)
         self.stat = GaugeMetricFamily("primerl_engine_stat", "Other engine-reported values.", labels=[*er, "name"])
 
