@@ -148,9 +148,9 @@ async def embedded_probes(inject: str | None) -> dict[str, float]:
 
 async def speculation_probes(engine: Any, inject: str | None) -> dict[str, float]:
     """Greedy tool-call episodes with drafts off vs on: target forward passes per generated token, identity."""
+    from bench import spec_workload as workload
     from bench.speculation import Tally, run_episode
     from engines.types import SamplingParams
-    from speculation import workload
     from speculation.config import SpeculationConfig
     from speculation.drafters import SpeculativeDrafter
     from speculation.grammar import CompiledToolGrammar, ll_tokenizer

@@ -1,6 +1,6 @@
 """Speculation benchmark (issue 9, AC4): the embedded engine on a tool-call-heavy workload.
 
-For each drafter configuration the same episodes (``speculation.workload``) are generated one at a
+For each drafter configuration the same episodes (``bench/spec_workload.py``) are generated one at a
 time (no batching, so the ratio is per-episode latency), greedy unless ``--temperature`` says otherwise.
 Reported per configuration: target forward passes per generated token (decode only: one prefill per
 episode is subtracted), tokens per target step inside tool-call spans (from the drafter's span
@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench import spec_workload as workload
 from bench._common import record
 from engines.config import EmbeddedConfig
 from engines.types import GenerateRequest, SamplingParams
-from speculation import workload
 from speculation.config import SpeculationConfig
 from speculation.drafters import SpeculativeDrafter
 from speculation.grammar import CompiledToolGrammar, ll_tokenizer
@@ -154,7 +154,7 @@ async def main() -> None:
             "Speculation on tool calls (embedded SmolLM2-135M, CPU)",
             rows,
             figures,
-            f"{args.episodes} episodes from speculation/workload.py, each run with every configuration in turn "
+            f"{args.episodes} episodes from bench/spec_workload.py, each run with every configuration in turn "
             "(interleaved); the engine in-process, one episode at a time.",
             ratios=ratios,
         )

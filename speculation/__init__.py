@@ -5,7 +5,6 @@
 * ``drafters``: grammar-forced (fast-forward) and n-gram (prompt-lookup) drafts, span tracking, adaptive
   length and the acceptance gate; ``factory``: one drafter per generation request for the bridge.
 * ``constraint``: the opt-in constrained mode (grammar mask inside tool-call spans, FORCED origins).
-* ``workload``: the tool-call-heavy episodes used by tests and ``bench/speculation.py``.
 
 Exactness lives in ``engines.sampling.verify``; engines that verify (toy, embedded) take
 ``GenerateRequest.drafter``; the others ignore it and decode plainly.

@@ -310,7 +310,7 @@ async def tool_call_turn(
 @pytest.mark.timeout(1200)
 async def test_speculation_on_vllm_returns_the_plain_greedy_tokens(vllm_url: str) -> None:
     """Issue 9, AC5: a greedy tool-call turn verified by draft requests equals plain decoding, token for token."""
-    from speculation import workload
+    from bench import spec_workload as workload
     from speculation.config import SpeculationConfig
     from speculation.drafters import build_drafter
     from speculation.grammar import CompiledToolGrammar, ll_tokenizer
@@ -369,7 +369,7 @@ async def test_speculation_on_vllm_returns_the_plain_greedy_tokens(vllm_url: str
 @pytest.mark.timeout(1200)
 async def test_speculation_through_a_bridge_on_vllm(vllm_url: str) -> None:
     """The bridge attaches drafters to tool episodes; on vLLM the trajectory equals the one without speculation."""
-    from speculation.workload import episodes
+    from bench.spec_workload import episodes
 
     (ep,) = episodes(1)
     messages = [{"role": m.role, "content": m.content} for m in ep.messages]

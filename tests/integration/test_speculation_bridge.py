@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from speculation.workload import episodes
+from bench.spec_workload import episodes
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow

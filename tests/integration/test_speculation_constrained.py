@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from bench import spec_workload as workload
 from engines.config import EmbeddedConfig
 from engines.types import FinishReason, GenerateRequest, Message, Origin, SamplingParams
-from speculation import workload
 from speculation.config import SpeculationConfig
 from speculation.constraint import GrammarConstraint, replay_masks
 from speculation.factory import MASKED_POSITIONS_KEY, SpeculationFactory

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from bench import spec_workload as workload
 from engines.config import EmbeddedConfig
 from engines.types import GenerateRequest, Origin, SamplingParams
-from speculation import workload
 from speculation.config import SpeculationConfig
 from speculation.drafters import SpeculativeDrafter, build_drafter
 from speculation.grammar import CompiledToolGrammar, ll_tokenizer

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from bench import spec_workload as workload
 from engines.toolcall import parse_tool_calls
 from envhub.grammar import grammar_for
-from speculation import workload
 from speculation.config import SpeculationConfig
 from speculation.drafters import NgramIndex, SpeculativeDrafter
 from speculation.grammar import CompiledToolGrammar, ll_tokenizer

@@ -1,7 +1,7 @@
-"""A tool-call-heavy workload for speculation tests and ``bench/speculation.py``.
+"""A tool-call-heavy workload (a fixture, not shipped): speculation tests, ``bench/speculation.py``, ``bench/gate.py``.
 
 Each episode is a chat with the env's tools in the system prompt (``engines.chat`` renders them
-Hermes-style), one worked example of a ``<tool_call>`` block and its tool result, then a new user
+Hermes-style), one worked example of a tool-call block (``engines.toolcall``) and its tool result, then a new user
 question: the model's reply is usually a tool call whose arguments copy words from the question.
 """
 
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
+from engines.toolcall import format_call
 from engines.types import Message
 from envhub.envs.code_math import PYTHON_TOOL
 from envhub.envs.sql_qa import SQL_TOOL
@@ -19,7 +21,7 @@ from envhub.types import ToolSpec
 
 TOOLS: tuple[ToolSpec, ...] = (SQL_TOOL, FETCH_TOOL, PYTHON_TOOL)
 
-_EXAMPLE = (
+_EXAMPLE: tuple[str, dict[str, Any], str] = (
     "How many employees work in the sales department?",
     {"name": "sql_query", "arguments": {"query": "SELECT COUNT(*) FROM employees WHERE department = 'sales'"}},
     "[[12]]",
@@ -57,7 +59,7 @@ def episodes(n: int) -> list[Episode]:
     q0, call, result = _EXAMPLE
     shot = (
         Message("user", q0),
-        Message("assistant", f"<tool_call>\n{json.dumps(call)}\n</tool_call>"),
+        Message("assistant", format_call(call["name"], call["arguments"], sep="\n")),
         Message("tool", result),
         Message("assistant", "There are 12 employees in the sales department."),
     )
