@@ -130,9 +130,9 @@ class EnvHubConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    sql_qa_db: str = Field("", description="SQLite file of the sql-qa env; empty = the bundled examples/envhub db.")
+    sql_qa_db: str = Field("", description="SQLite file of the sql-qa env; empty = the bundled envhub/data db.")
     tasks_dir: str = Field(
-        "", description="Directory of <env>.json task files replacing the bundled examples/envhub/tasks ones."
+        "", description="Directory of <env>.json task files replacing the bundled envhub/data/tasks ones."
     )
     web_site_url: str = Field(
         "http://127.0.0.1:8765/", description="Base URL of the site the web-lookup env reads (the local test site)."

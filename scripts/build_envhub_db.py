@@ -1,7 +1,7 @@
 """Build the bundled SQLite database of the ``sql-qa`` environment (deterministic).
 
-Run ``python examples/envhub/build_db.py`` to regenerate ``company.sqlite``; the tasks in
-``tasks/sql_qa.json`` hold answers computed from exactly these rows.
+Run ``python scripts/build_envhub_db.py`` to regenerate ``envhub/data/company.sqlite`` (package data); the
+tasks in ``envhub/data/tasks/sql_qa.json`` hold answers computed from exactly these rows.
 """
 
 from __future__ import annotations
@@ -60,4 +60,4 @@ def build(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    build(Path(__file__).with_name("company.sqlite"))
+    build(Path(__file__).resolve().parents[1] / "envhub" / "data" / "company.sqlite")

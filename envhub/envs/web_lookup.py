@@ -2,7 +2,7 @@
 
 Tool: ``fetch_page(url)`` fetches a page (relative URLs resolve against the site URL) with
 ``SafeHttpClient`` and returns its text with links as ``[text](href)``. The site is the
-local test shop in ``examples/envhub/site`` by default; a loopback site is reachable only
+local test shop in ``envhub/data/site`` (package data) by default; a loopback site is reachable only
 when the config exempts it explicitly (``http.allowed_private_networks``).
 """
 

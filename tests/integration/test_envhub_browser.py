@@ -13,7 +13,7 @@ from envhub import EnvHubConfig, make_env
 from envhub.config import BrowserConfig
 from envhub.connectors.browser import BrowserSession, origin_of
 from envhub.loop import ToolLoop
-from envhub.testsite import serve_test_site
+from tests.integration.testsite import serve_test_site
 
 pytest.importorskip("playwright")
 pytestmark = [

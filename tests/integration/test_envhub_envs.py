@@ -12,7 +12,7 @@ from envhub import EnvHubConfig, make_env
 from envhub.config import HttpConfig
 from envhub.envs.web_lookup import html_to_text
 from envhub.loop import ToolLoop
-from envhub.testsite import serve_test_site
+from tests.integration.testsite import serve_test_site
 
 
 def tool_call(name: str, **arguments: str) -> str:

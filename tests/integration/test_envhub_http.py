@@ -12,7 +12,7 @@ import pytest
 from engines.errors import ToolError
 from envhub.config import HttpConfig
 from envhub.connectors.http import SafeHttpClient, system_resolver
-from envhub.testsite import serve_test_site
+from tests.integration.testsite import serve_test_site
 
 
 @pytest.fixture(scope="module")

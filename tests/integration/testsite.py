@@ -1,6 +1,6 @@
-"""Serve the local test site (``examples/envhub/site``) on a loopback port.
+"""Serve the local test shop (``envhub/data/site``, the web-lookup env's data) on a loopback port.
 
-Used by test fixtures and the ``web-lookup`` demo. Besides the static pages it answers
+A test fixture (not shipped with the package). Besides the static pages it answers
 ``/redirect?to=URL`` with a 302 to ``URL`` (for redirect re-validation tests) and
 ``/big`` with a large body (for size caps). It binds 127.0.0.1 only.
 """
