@@ -182,7 +182,7 @@ async def speculation_probes(engine: Any, inject: str | None) -> dict[str, float
 
 def fleet_probes(inject: str | None) -> dict[str, float]:
     """The seeded fleet simulator at a small scale (simulated time, so the figures do not depend on the machine)."""
-    import placement.policies as policies
+    import placement.routing.factory as policies
     from bench.fleet_sim import experiments as ex
 
     scale = ex.Scale(replicas=4, concurrency=96, duration=30.0, warmup=10.0, grpo_samples=64, grpo_steps=1)

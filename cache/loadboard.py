@@ -4,7 +4,8 @@ Each bridge sees only the turns it routes; with N bridges each would see ~1/N of
 its balance thresholds would rarely trip and a replica hot fleet-wide could keep receiving
 turns (SMG #1621). Every ``period_s`` a bridge publishes its own vector
 (``ns:load:<bridge>``, expiring after ``ttl_s``, so a crashed bridge's load disappears) and
-reads the others' in the same Lua call; their sum becomes the policy's ``remote`` vector.
+reads the others' in the same Lua call; their sum becomes the ``remote`` vector of the
+bridge's replica set (``placement.routing.ReplicaSet``).
 On a Redis error ``remote`` is zeroed (routing on this bridge's own load only) and the
 failure counted; the next period retries. ``MemoryLoadBoard`` is the in-process equivalent.
 """

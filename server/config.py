@@ -16,8 +16,9 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from cache.config import CacheConfig
 from engines.config import EngineConfig
+from engines.types import SamplingParams
 from envhub.config import EnvHubConfig
-from placement.policies import RoutingConfig
+from placement.routing import RoutingConfig
 from server.auth import AuthConfig, TlsConfig
 from server.persistence import PersistenceConfig
 from speculation.config import SpeculationConfig
@@ -65,17 +66,18 @@ class AdmissionConfig(BaseModel):
     )
     max_group_size: int = Field(256, ge=1, description="Largest GRPO group one StartEpisode may open.")
     max_tokens_per_turn: int = Field(8192, ge=1, description="Upper bound on sampling.max_tokens.")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Refuse (FAILED_PRECONDITION) a Step on an episode that started more than this many policy "
+        "versions before the current one; 0 = off.",
+    )
 
 
-class SamplingDefaults(BaseModel):
-    """Sampling parameters used where neither the episode nor the turn sets them."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: float = Field(1.0, ge=0, description="Softmax temperature; 0 is greedy.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass; 1 disables it.")
-    top_k: int = Field(0, ge=0, description="Top-k cut; 0 disables it.")
-    max_tokens: int = Field(256, ge=1, description="Tokens sampled per turn at most.")
+# Sampling parameters used where neither the episode nor the turn sets them: the one sampling type itself
+# (its field annotations carry the bounds and docs), so ``[sampling]`` / ``PRIMERL_SAMPLING__*`` set any of
+# its fields, and a field added there is configurable here without a second list.
+SamplingDefaults = SamplingParams
 
 
 class MetricsConfig(BaseModel):

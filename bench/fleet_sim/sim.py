@@ -1,6 +1,6 @@
 """Discrete-event fleet simulation: N engine replicas, 1..8 bridges sharing one prefix index.
 
-Each bridge runs the *real* routing code (placement/policies.py) over the *real* index code
+Each bridge runs the *real* routing code (placement/routing/) over the *real* index code
 (cache/index.py ``MemoryIndex``, standing in for Redis): the bridges' views add a simulated
 round trip per index operation and a near-cache of lookup answers (stale for up to its TTL,
 invalidated by the bridge's own writes, as in cache/redis_index.py). Bridges see only their
@@ -27,7 +27,7 @@ from bench.fleet_sim.engine import EngineSpec, Replica, SimRequest
 from cache.fingerprint import Fingerprinter
 from cache.index import BYTES_PER_ENTRY, IndexStats, Match, MemoryIndex
 from cache.loadboard import MemoryLoadBoard
-from placement.policies import CacheAware, Decision, Policy, RouteRequest, RoutingConfig, make_policy
+from placement.routing import CacheAware, Decision, Policy, RouteRequest, RoutingConfig, make_policy
 
 POLICIES = (
     "round_robin",
@@ -242,7 +242,11 @@ class Fleet:
                     c = cfg.model_copy(update={"policy": policy})
                 self.policies.append(make_policy(c, replicas, view, fp))
         # Bridges share their in-flight load through a load board refreshed every board_period_s.
-        self.board = MemoryLoadBoard(list(dict.fromkeys(self.policies))) if bridges > 1 and board_period_s > 0 else None
+        self.board = (
+            MemoryLoadBoard([p.replicas for p in dict.fromkeys(self.policies)])
+            if bridges > 1 and board_period_s > 0
+            else None
+        )
         self.board_period_s = board_period_s
         # measurement
         self.warmup = 0.0
@@ -312,7 +316,7 @@ class Fleet:
         trips0 = view.stats.round_trips if view else 0
         d: Decision = run_sync(policy.choose(rr))
         load = req.prompt_tokens - d.matched_tokens + max_tokens
-        policy.on_begin(d.replica, load)
+        policy.replicas.begin(d.replica, load)
         req.route = (b, d, load)
         delay = ((view.stats.round_trips - trips0) if view else 0) * self.rtt_s
         self.at(self.now + delay, Fleet._enqueue, d.replica, req)
@@ -340,9 +344,9 @@ class Fleet:
     def _finish(self, req: SimRequest) -> None:
         b, d, load = req.route
         policy = self.policies[b]
-        policy.on_end(d.replica, load)
+        policy.replicas.end(d.replica, load)
         held = req.held_after
-        run_sync(policy.on_engine_report(d, req.cached, True, held))
+        run_sync(policy.observe(d, req.cached, True, held))
         if req.arrival >= self.warmup:
             self._per_replica[d.replica][0] += req.prompt_tokens
             self._per_replica[d.replica][1] += req.cached
@@ -367,14 +371,14 @@ class Fleet:
             run_sync(p.replica_reset(replica))
         for req in lost:
             b, d, load = req.route
-            self.policies[b].on_end(d.replica, load)
+            self.policies[b].replicas.end(d.replica, load)
             req.cached = req.generated = 0
             req.first_token = -1.0
-            run_sync(self.policies[b].on_engine_report(d, 0, False))
+            run_sync(self.policies[b].observe(d, 0, False))
             self.submit(req, f"re{req.rid}", "", True, 512)
 
     def scale_out(self, n: int) -> None:
         while len(self.replicas) < n:
             self.replicas.append(Replica(len(self.replicas), self.spec))
         for p in dict.fromkeys(self.policies):
-            p.resize(n)
+            p.replicas.resize(n)

@@ -13,7 +13,7 @@ from cache import CacheConfig, Fingerprinter, MemoryIndex
 from cache.loadboard import RedisLoadBoard
 from cache.redis_index import RedisIndex
 from engines.salt import CacheSalt
-from placement.policies import CacheAware, RouteRequest
+from placement.routing import CacheAware, RouteRequest
 from tests.integration.redis_proc import PrivateRedis
 
 BS = 4
@@ -82,14 +82,14 @@ async def test_alternating_bridges_keep_an_episode_and_a_group_on_one_replica(
     bridges = [pa, pb]
     history = list(range(30))
     first = await pa.choose(req("ep", history, first=True))
-    pa.on_begin(first.replica, 100)  # bridge A's load view: that replica is now its busiest
-    await pa.on_engine_report(first, 0)
+    pa.replicas.begin(first.replica, 100)  # bridge A's load view: that replica is now its busiest
+    await pa.observe(first, 0)
     for turn in range(1, 6):
         history += [1000 + turn] * 9
         p = bridges[turn % 2]
         d = await p.choose(req("ep", history))
         assert d.replica == first.replica, (turn, d)
-        await p.on_engine_report(d, d.matched_tokens)
+        await p.observe(d, d.matched_tokens)
     # A GRPO group whose members arrive through both bridges shares one replica.
     prompt = list(range(500, 540))
     reps = {(await bridges[i % 2].choose(req(f"m{i}", prompt, gid="G", first=True))).replica for i in range(8)}
@@ -194,25 +194,25 @@ async def test_redis_killed_mid_run_fails_open_then_recovers(redis_server: Priva
     toks = list(range(40))
     try:
         d = await p.choose(req("a", toks, first=True))
-        await p.on_engine_report(d, 0)
+        await p.observe(d, 0)
         await idx.flush()
         assert (await p.choose(req("b", toks, first=True))).reason == "cache"
 
         redis_server.kill()
-        p.on_begin(d.replica, 1000)
+        p.replicas.begin(d.replica, 1000)
         for i in range(5):
             t0 = time.perf_counter()
             d2 = await p.choose(req(f"c{i}", toks, first=True))  # never raises
             assert time.perf_counter() - t0 < 0.5
             assert d2.reason == "fail_open" and d2.matched_tokens == 0 and d2.replica != d.replica
-            await p.on_engine_report(d2, 0)
+            await p.observe(d2, 0)
         await idx.flush()
         assert idx.stats.fail_open >= 5 and idx.stats.errors >= 1
 
         redis_server.start()  # empty: the index refills from new turns
         await asyncio.sleep(CFG.backoff_s + 0.05)
         d3 = await p.choose(req("d", toks, first=True))
-        await p.on_engine_report(d3, 0)
+        await p.observe(d3, 0)
         await idx.flush()
         d4 = await p.choose(req("e", [*toks, 1, 2, 3, 4], first=True))
         assert d4.reason == "cache" and d4.replica == d3.replica and d4.matched_tokens == 40
@@ -254,16 +254,16 @@ async def test_load_board_shares_in_flight_load_and_fails_open(
     redis_server: PrivateRedis, two_indexes: tuple[RedisIndex, RedisIndex]
 ) -> None:
     pa, pb = CacheAware(3, two_indexes[0], FP), CacheAware(3, two_indexes[1], FP)
-    ba, bb = RedisLoadBoard(two_indexes[0], pa, ttl_s=5), RedisLoadBoard(two_indexes[1], pb, ttl_s=5)
-    pa.on_begin(0, 5000)
-    pb.on_begin(1, 700)
+    ba, bb = RedisLoadBoard(two_indexes[0], pa.replicas, ttl_s=5), RedisLoadBoard(two_indexes[1], pb.replicas, ttl_s=5)
+    pa.replicas.begin(0, 5000)
+    pb.replicas.begin(1, 700)
     await ba.sync_once()
     await bb.sync_once()
     await ba.sync_once()
-    assert pa.remote == [0, 700, 0] and pb.remote == [5000, 0, 0]
+    assert pa.replicas.remote == [0, 700, 0] and pb.replicas.remote == [5000, 0, 0]
     assert pb.view() == [5000, 700, 0]
     # Bridge B now sees replica 0 as busy although it routed nothing there itself.
     assert (await pb.choose(req("x", list(range(8)), first=True))).replica == 2
     redis_server.kill()  # Redis gone: each bridge routes on its own load only
     await ba.sync_once()
-    assert pa.remote == [0, 0, 0] and ba.errors == 1
+    assert pa.replicas.remote == [0, 0, 0] and ba.errors == 1

@@ -58,7 +58,7 @@ async def test_replica_dying_mid_turn_moves_the_episode_with_its_exact_history(r
         sg.faults.drop_after_tokens = 5  # the engine process goes away mid-stream
         with pytest.raises(UnavailableError, match="dropped the stream"):
             await client.step(ep)
-        assert bridge_server.bridge.router.policy.healthy[home] is False  # out of rotation at once
+        assert bridge_server.bridge.router.replicas.healthy[home] is False  # out of rotation at once
 
         other = 1 - home
         prefill_before = replicas[other][2].counters.prefill_tokens
@@ -82,14 +82,14 @@ async def test_health_checks_rotate_replicas_and_drive_grpc_health(replicas: Any
         assert await _status(bridge_server.port) == health_pb2.HealthCheckResponse.SERVING
         replicas[0][0].faults.unhealthy = True
         assert await bridge_server.check_health()
-        assert bridge_server.bridge.router.policy.healthy == [False, True]
+        assert bridge_server.bridge.router.replicas.healthy == [False, True]
         assert await _status(bridge_server.port) == health_pb2.HealthCheckResponse.SERVING
         replicas[1][0].faults.unhealthy = True
         assert not await bridge_server.check_health()
         assert await _status(bridge_server.port) == health_pb2.HealthCheckResponse.NOT_SERVING
         replicas[0][0].faults.unhealthy = False
         assert await bridge_server.check_health()
-        assert bridge_server.bridge.router.policy.healthy == [True, False]
+        assert bridge_server.bridge.router.replicas.healthy == [True, False]
         assert await _status(bridge_server.port) == health_pb2.HealthCheckResponse.SERVING
         ep = (await client.start_episode(PROMPT)).episode_id
         assert bridge_server.bridge.store.get(ep, "").replica == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from engines.salt import CacheSalt
 from tests.integration.redis_proc import PrivateRedis
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5] * 6
@@ -89,7 +90,7 @@ async def test_no_turn_is_credited_with_kv_of_older_weights(start_bridge: Any, r
     await client.step(fresh)
     decision, salt = server.bridge.router.routes[fresh]
     # The same prompt hashes to new keys under the new version: no block computed under version 0 can match.
-    assert salt.endswith("@1") and old_hashes.isdisjoint(decision.hashes)
+    assert CacheSalt.parse(salt) == CacheSalt("toy", 1) and old_hashes.isdisjoint(decision.hashes)
     await client.step(first, [9])  # a continuing episode is routed on version-1 keys as well
     assert old_hashes.isdisjoint(server.bridge.router.routes[first][0].hashes)
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 from cache import Fingerprinter, MemoryIndex
 from engines.salt import CacheSalt
-from placement.policies import (
+from placement.routing import (
     CacheAware,
     ConsistentHash,
     LeastLoaded,
@@ -33,18 +33,18 @@ async def test_round_robin_and_least_loaded() -> None:
     rr = make_policy(RoutingConfig(policy="round_robin"), 3)
     assert [(await rr.choose(req("e", []))).replica for _ in range(4)] == [0, 1, 2, 0]
     ll = LeastLoaded(3)
-    ll.on_begin(0, 100)
-    ll.on_begin(2, 50)
+    ll.replicas.begin(0, 100)
+    ll.replicas.begin(2, 50)
     assert (await ll.choose(req("e", []))).replica == 1
-    ll.on_end(0, 100)
-    ll.on_begin(1, 70)
+    ll.replicas.end(0, 100)
+    ll.replicas.begin(1, 70)
     assert (await ll.choose(req("e", []))).replica == 0
 
 
 async def test_sticky_pins_episodes_and_groups() -> None:
     p = StickyEpisode(3)
     first = (await p.choose(req("a", [], gid="g"))).replica
-    p.on_begin(first, 1000)
+    p.replicas.begin(first, 1000)
     assert (await p.choose(req("b", [], gid="g"))).replica == first  # group member joins it
     assert (await p.choose(req("a", []))).replica == first  # later turn stays
     assert (await p.choose(req("c", []))).replica != first  # new episode: least loaded
@@ -57,7 +57,7 @@ async def test_consistent_hash_is_stable_and_bounded_load_spills() -> None:
     r = (await ring.choose(req("hot", []))).replica
     assert [(await ring.choose(req("hot", []))).replica for _ in range(5)] == [r] * 5
     bounded = ConsistentHash(4, vnodes=32, load_bound=1.25)
-    bounded.on_begin(r, 10_000)
+    bounded.replicas.begin(r, 10_000)
     assert (await bounded.choose(req("hot", []))).replica != r
 
 
@@ -66,7 +66,7 @@ async def test_cache_aware_follows_the_longest_cached_prefix() -> None:
     history = list(range(64))
     d1 = await p.choose(req("a", history, first=True))
     assert d1.reason == "load" and d1.matched_tokens == 0
-    await p.on_engine_report(d1, cached_tokens=0)
+    await p.observe(d1, cached_tokens=0)
     # Another episode with the same long prefix is credited on that replica.
     d2 = await p.choose(req("b", [*history, 1, 2, 3, 4], first=True))
     assert d2.replica == d1.replica and d2.reason == "cache" and d2.matched_tokens == 64
@@ -77,11 +77,11 @@ async def test_cache_aware_weighs_prefix_against_load_and_sheds_hot_replicas() -
     prefix = list(range(40))
     d1 = await p.choose(req("a", prefix, first=True))
     # Loaded but not hot: the 40 cached tokens are worth less than 60 tokens of extra queue.
-    p.on_begin(d1.replica, 60)
+    p.replicas.begin(d1.replica, 60)
     d2 = await p.choose(req("b", [*prefix, 7, 7, 7, 7], first=True))
     assert d2.replica != d1.replica and d2.reason == "load"
     # Now hot (load - min > 100 and > 1.5 x min): new episodes avoid it ...
-    p.on_begin(d1.replica, 1000)
+    p.replicas.begin(d1.replica, 1000)
     d3 = await p.choose(req("c", prefix, first=True))
     assert d3.replica != d1.replica
     # ... and its own episode is moved off only because moving is cheaper than queueing there.
@@ -92,8 +92,8 @@ async def test_cache_aware_weighs_prefix_against_load_and_sheds_hot_replicas() -
 async def test_sticky_turns_stay_while_the_replica_is_not_hot() -> None:
     p = cache_aware()
     d1 = await p.choose(req("a", list(range(8)), first=True))
-    p.on_begin((d1.replica + 1) % 4, 5)  # others' load changes do not move it
-    p.on_begin(d1.replica, 50)
+    p.replicas.begin((d1.replica + 1) % 4, 5)  # others' load changes do not move it
+    p.replicas.begin(d1.replica, 50)
     d2 = await p.choose(req("a", list(range(12))))
     assert d2.replica == d1.replica and d2.reason == "sticky"
 
@@ -104,7 +104,7 @@ async def test_grpo_group_lands_on_one_replica() -> None:
     reps = set()
     for i in range(16):
         d = await p.choose(req(f"m{i}", prompt, gid="grp", first=True))
-        p.on_begin(d.replica, 500)  # members pile up: still one replica (one prompt prefill)
+        p.replicas.begin(d.replica, 500)  # members pile up: still one replica (one prompt prefill)
         reps.add(d.replica)
     assert len(reps) == 1
     await p.release(group_id="grp")
@@ -116,8 +116,8 @@ async def test_policy_version_salt_voids_old_kv_and_pins() -> None:
     p = cache_aware()
     toks = list(range(64))
     d1 = await p.choose(req("a", toks, first=True))
-    await p.on_engine_report(d1, 0)
-    p.on_begin(d1.replica, 10)  # the old replica is now slightly busier
+    await p.observe(d1, 0)
+    p.replicas.begin(d1.replica, 10)  # the old replica is now slightly busier
     new_salt = str(CacheSalt("m", 2))  # UpdateWeights
     d2 = await p.choose(req("a", [*toks, 1, 2, 3, 4], salt=new_salt))
     assert d2.matched_tokens == 0 and d2.reason == "load" and d2.replica != d1.replica
@@ -135,8 +135,8 @@ async def test_fail_open_routes_by_load_and_keeps_local_pins() -> None:
 
     idx = DownIndex(BS)
     p = CacheAware(3, idx, FP)
-    p.on_begin(0, 100)
-    p.on_begin(1, 100)
+    p.replicas.begin(0, 100)
+    p.replicas.begin(1, 100)
     d = await p.choose(req("a", list(range(32)), first=True))
     assert d.replica == 2 and d.reason == "fail_open" and d.matched_tokens == 0
     assert (await p.choose(req("a", list(range(36))))).reason == "sticky"
@@ -148,13 +148,13 @@ async def test_engine_reports_confirm_or_drop_and_count_stale_routes() -> None:
     p = CacheAware(2, idx, FP)
     toks = list(range(16))
     d = await p.choose(req("a", toks, first=True))
-    await p.on_engine_report(d, cached_tokens=0, ok=False)  # failed before prefill
+    await p.observe(d, cached_tokens=0, ok=False)  # failed before prefill
     assert idx.lookup_now(d.hashes).blocks == {}
     d = await p.choose(req("b", toks, first=True))
-    await p.on_engine_report(d, 0)
+    await p.observe(d, 0)
     d2 = await p.choose(req("c", toks, first=True))
     assert d2.matched_tokens == 16
-    await p.on_engine_report(d2, cached_tokens=0)  # the engine had evicted it
+    await p.observe(d2, cached_tokens=0)  # the engine had evicted it
     assert p.stats.stale_routes == 1 and p.stats.predicted_tokens == 16 and p.stats.reported_cached_tokens == 0
 
 
@@ -162,14 +162,14 @@ async def test_unhealthy_replicas_get_no_turns_and_pins_move_off_them() -> None:
     p = cache_aware(3)
     toks = list(range(40))
     d = await p.choose(req("a", toks, gid="g", first=True))
-    assert p.mark(d.replica, False) and not p.mark(d.replica, False)
+    assert p.replicas.mark(d.replica, False) and not p.replicas.mark(d.replica, False)
     d2 = await p.choose(req("a", [*toks, 1, 2, 3, 4], gid="g"))
     assert d2.replica != d.replica
     assert (await p.choose(req("b", toks, gid="g", first=True))).replica == d2.replica  # the group followed
     for policy in (make_policy(RoutingConfig(policy=name), 3) for name in ("round_robin", "least_loaded", "sticky")):
-        policy.mark(1, False)
+        policy.replicas.mark(1, False)
         assert {(await policy.choose(req(f"e{i}", []))).replica for i in range(6)} <= {0, 2}
     ring = ConsistentHash(3)
     r = (await ring.choose(req("k", []))).replica
-    ring.mark(r, False)
+    ring.replicas.mark(r, False)
     assert (await ring.choose(req("k", []))).replica != r

@@ -1,14 +1,23 @@
-"""Turn routing for the bridge: which engine replica serves each turn, and what the prefix index learns.
+"""Turn routing for one bridge: which engine replica serves each turn, and what the prefix index learns.
 
-``Router`` owns the routing policy (``placement.policies``), the prefix index (``cache/``; none with a
-single replica, where there is nothing to decide), the load board shared with other bridges (Redis),
-each episode's current route and block-hash chain, and the open members of each GRPO group (a group's
-pin is released with its last member). The bridge calls ``route`` before a turn, ``begin``/``end``
-around it, ``report`` after it, and ``forget`` when the episode ends.
+``Router`` owns the replica set (health, load; fed by the load board shared with other bridges
+through Redis), the routing policy (one module each in this package), the prefix index
+(``cache/``; none with a single replica, where there is nothing to decide), each episode's current
+route and block-hash chain, and the open members of each GRPO group (a group's pin is released
+with its last member). The bridge calls ``route`` before a turn, ``begin``/``end`` around it,
+``report`` after it, and ``forget`` when the episode ends. It passes its episodes and turns as
+they are: the router reads (and, on a move, sets ``replica`` of) only what ``EpisodeView`` and
+``TurnView`` name, so placement never imports server.
+
+No silent override: every configured policy runs as configured, except ``cache_aware`` without
+an index, which runs sticky; that is logged once here and each such decision is counted with
+reason ``fallback_sticky``. Pins live ``cache.affinity_ttl_s``. With ``routing.plan_file`` the
+placement plan's per-replica KV capacity sizes the index.
 
 Invariants: hashes are over the exact ids sent to the engine and salted per tenant, model and policy
-version, so after a weight update no turn is routed on KV of older weights; an episode's chain is only
-ever extended (histories are append-only), so a turn hashes its new blocks only.
+version (``engines.salt.CacheSalt``), so after a weight update no turn is routed on KV of older
+weights; an episode's chain is only ever extended (histories are append-only), so a turn hashes its
+new blocks only.
 """
 
 from __future__ import annotations
@@ -17,16 +26,45 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from cache import CacheConfig, Fingerprinter, make_index
+from cache import CacheConfig, Fingerprinter, PrefixIndex, make_index
 from engines.base import Engine
-from engines.types import FinishReason
-from placement.policies import Decision, RouteRequest, RoutingConfig, make_policy
-from server.episodes import Episode, Turn
-from server.errors import PrimeRLError
+from engines.errors import InvalidArgument, PrimeRLError
+from engines.salt import CacheSalt
+from engines.types import FinishReason, Usage
+from placement.routing.base import Decision, RouteRequest
+from placement.routing.config import RoutingConfig
+from placement.routing.factory import make_policy
+from placement.routing.replicas import ReplicaSet
 
-log = logging.getLogger("primerl.server")
+log = logging.getLogger("primerl.routing")
+
+
+class EpisodeView(Protocol):
+    """What routing reads of an episode (``server.episodes.Episode`` has it)."""
+
+    id: str
+    replica: int  # set by ``Router.route`` when the episode moves
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+
+class TurnView(Protocol):
+    """What routing reads of a finished turn (``server.episodes.Turn`` has it)."""
+
+    @property
+    def finish_reason(self) -> FinishReason | None: ...
+
+    @property
+    def generation_start(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+    @property
+    def usage(self) -> Usage: ...
 
 
 class Router:
@@ -35,21 +73,30 @@ class Router:
     def __init__(self, engines: Sequence[Engine], cache: CacheConfig, routing: RoutingConfig, redis_url: str) -> None:
         self.engines = engines
         self.fingerprinter = Fingerprinter(cache.block_size, cache.hash_algo)
+        self.replicas = ReplicaSet(len(engines))
         # One replica leaves nothing to route: no index to look up and write on every turn (the engine
         # still reports its own cached tokens, so hit metrics come from it).
-        self.index = make_index(cache, redis_url) if cache.enabled and len(engines) > 1 else None
+        self.index: PrefixIndex | None = make_index(cache, redis_url) if cache.enabled and len(engines) > 1 else None
         if self.index is not None:
-            for r in range(len(engines)):
-                self.index.set_capacity(r, cache.capacity_for(0))
-        policy = routing if self.index is not None else routing.model_copy(update={"policy": "sticky"})
-        self.policy = make_policy(policy, len(engines), self.index, self.fingerprinter)
+            kv = plan_kv_capacities(routing.plan_file, engines) if routing.plan_file else [0] * len(engines)
+            for r, tokens in enumerate(kv):
+                self.index.set_capacity(r, cache.capacity_for(tokens))
+        self.policy = make_policy(routing, self.replicas, self.index, self.fingerprinter, cache.affinity_ttl_s)
+        self.configured_policy = routing.policy
+        if routing.policy == "cache_aware" and self.index is None:
+            why = "one engine replica" if len(engines) <= 1 else "cache.enabled = false"
+            (log.info if len(engines) <= 1 else log.warning)(
+                "routing.policy cache_aware needs the prefix index, which is off (%s): turns are routed sticky per "
+                "episode and GRPO group, counted as primerl_routing_decisions_total{reason='fallback_sticky'}",
+                why,
+            )
         self._board: Any = None  # bridges sharing a Redis index also share their in-flight load
         if self.index is not None and redis_url:
             from cache.loadboard import RedisLoadBoard
             from cache.redis_index import RedisIndex
 
             if isinstance(self.index, RedisIndex):
-                self._board = RedisLoadBoard(self.index, self.policy)
+                self._board = RedisLoadBoard(self.index, self.replicas)
         self.routes: dict[str, tuple[Decision, str]] = {}  # episode id -> its current turn's route and salt
         self._chains: dict[str, tuple[str, list[int]]] = {}  # episode id -> (salt, block hashes so far)
         self._group_open: dict[str, int] = {}  # group key -> open members (to release the group's pin)
@@ -65,9 +112,14 @@ class Router:
         if self.index is not None:
             await self.index.close()
 
+    def decisions(self) -> list[tuple[str, str, int]]:
+        """(policy, reason, turns so far) for every reason routing used: read at scrape time."""
+        name = self.policy.name
+        return [(name, reason, n) for reason, n in list(self.policy.stats.decisions.items())]
+
     def mark(self, replica: int, healthy: bool, reason: str = "") -> None:
         """Take a replica out of rotation (a call failed, a health check did) or bring it back."""
-        if self.policy.mark(replica, healthy):
+        if self.replicas.mark(replica, healthy):
             name = self.engines[replica].info.replica
             if healthy:
                 log.info("engine replica %s is healthy again: back in rotation", name)
@@ -82,12 +134,15 @@ class Router:
         """``members`` more open episodes of a group (started here or loaded from another bridge)."""
         self._group_open[group_key] = self._group_open.get(group_key, 0) + members
 
-    async def route(self, episode: Episode, observation: Sequence[int], est_new: int, salt: str, group: str) -> None:
+    async def route(
+        self, episode: EpisodeView, observation: Sequence[int], est_new: int, salt: CacheSalt | str, group: str
+    ) -> None:
         """Choose the replica for the episode's next turn; move the episode there if it changed.
 
         A move (its replica failed, or was too loaded to keep it) sends the exact token history
         to the new replica, which recomputes what it does not have cached.
         """
+        salt = str(salt)
         history = [*episode.token_ids, *observation]
         hashes = self._hashes(episode.id, history, salt) if self.index is not None else None
         decision = await self.policy.choose(
@@ -109,18 +164,18 @@ class Router:
                 async with asyncio.timeout(2.0):
                     await self.engines[old].release(episode.id)
 
-    def current(self, episode: Episode) -> tuple[Decision, str] | None:
+    def current(self, episode: EpisodeView) -> tuple[Decision, str] | None:
         """The route of the episode's current turn, if it was routed to the replica the episode is on."""
         route = self.routes.get(episode.id)
         return route if route is not None and route[0].replica == episode.replica else None
 
     def begin(self, replica: int, load: int) -> None:
-        self.policy.on_begin(replica, load)
+        self.replicas.begin(replica, load)
 
     def end(self, replica: int, load: int) -> None:
-        self.policy.on_end(replica, load)
+        self.replicas.end(replica, load)
 
-    async def report(self, episode: Episode, turn: Turn, route: tuple[Decision, str]) -> int:
+    async def report(self, episode: EpisodeView, turn: TurnView, route: tuple[Decision, str]) -> int:
         """Tell the index what the engine now holds after a turn routed by ``route`` (or, if the turn failed
         early, what it does not); returns the prefix tokens routing predicted were cached."""
         decision, salt = route
@@ -128,7 +183,7 @@ class Router:
             return 0
         ok = turn.finish_reason != FinishReason.ABORT or turn.end > turn.generation_start
         held = self._hashes(episode.id, episode.token_ids, salt) if ok else None
-        await self.policy.on_engine_report(decision, turn.usage.cached_tokens, ok=ok, held_hashes=held)
+        await self.policy.observe(decision, turn.usage.cached_tokens, ok=ok, held_hashes=held)
         return decision.matched_tokens
 
     async def forget(self, episode_id: str, group_key: str) -> None:
@@ -150,3 +205,17 @@ class Router:
         hashes = self.fingerprinter.extend(prev, token_ids, salt)
         self._chains[episode_id] = (salt, hashes)
         return hashes
+
+
+def plan_kv_capacities(path: str, engines: Sequence[Engine]) -> list[int]:
+    """KV capacity in tokens of each engine replica, from a placement plan's replica list (engine order)."""
+    from placement.mig.endpoints import load_endpoints
+
+    model = engines[0].info.model
+    mine = [e for e in load_endpoints(path) if e.model == model]
+    if len(mine) != len(engines):
+        raise InvalidArgument(
+            f"routing.plan_file {path!r} lists {len(mine)} replicas of model {model!r}, but the bridge has "
+            f"{len(engines)} engine replicas: plan and engine.urls must describe the same replicas"
+        )
+    return [e.kv_capacity_tokens for e in mine]
