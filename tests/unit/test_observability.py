@@ -15,10 +15,13 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from cache.config import CacheConfig
+from cache.index import MemoryIndex
+from cache.redis_index import RedisIndex
 from engines.config import ToyConfig
 from engines.toy import ToyEngine
 from engines.types import Usage
-from observability.metrics import LATENCY_BUCKETS, BridgeMetrics, exposed_names
+from observability.metrics import LATENCY_BUCKETS, BridgeMetrics, FailOpenCounting, exposed_names
 from server.bridge import Bridge
 from server.config import AdmissionConfig, SamplingDefaults
 
@@ -88,6 +91,29 @@ def test_engine_counters_and_kv_are_read_at_scrape_time() -> None:
     assert r.get_sample_value("primerl_active_episodes", {"model": "toy"}) == 0
     engine.counters.extra["kv_usage_ppm"] = 500_000  # an engine-reported fraction wins
     assert r.get_sample_value("primerl_engine_kv_usage_ratio", labels) == 0.5
+
+
+def test_speculation_and_component_fail_opens_are_read_at_scrape_time() -> None:
+    metrics, bridge = bridge_metrics()
+    engine = bridge.engines[0]
+    r = metrics.registry
+    mer = {"model": "toy", "engine": "toy", "replica": "toy-0"}
+    assert r.get_sample_value("primerl_speculation_drafted_tokens_total", mer) is None  # never drafted: no series
+    engine.counters.extra.update(spec_drafted=10, spec_accepted=7, spec_forwards=4)
+    assert r.get_sample_value("primerl_speculation_drafted_tokens_total", mer) == 10
+    assert r.get_sample_value("primerl_speculation_accepted_tokens_total", mer) == 7
+    stat = {"engine": "toy", "replica": "toy-0"}
+    assert r.get_sample_value("primerl_engine_stat", {**stat, "name": "spec_drafted"}) is None  # exported once
+    assert r.get_sample_value("primerl_engine_stat", {**stat, "name": "spec_forwards"}) == 4
+
+    metrics.fail_open.labels("persistence").inc()
+    seen = {"redis": 0}
+    metrics.watch_fail_open(lambda: seen.items())
+    seen["redis"] = 3  # counted by the component itself, read at the next scrape
+    assert r.get_sample_value("primerl_fail_open_total", {"component": "redis"}) == 3
+    assert r.get_sample_value("primerl_fail_open_total", {"component": "persistence"}) == 1
+    assert isinstance(RedisIndex("redis://127.0.0.1:1/0", CacheConfig()), FailOpenCounting)
+    assert not isinstance(MemoryIndex(16), FailOpenCounting)  # never fails open: no redis series
 
 
 def test_every_label_is_bounded() -> None:
