@@ -78,6 +78,7 @@ unit: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports  # the layering contracts in pyproject.toml ([tool.importlinter])
 	$(VENV)/bin/mypy
 
 gen-proto: setup
@@ -101,4 +102,4 @@ bench-gate: setup vllm-env
 	$(PY) -m bench.matrix --gate $(if $(ONLY),--only $(ONLY))
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache
