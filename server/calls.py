@@ -100,7 +100,7 @@ class EndRequest:
 
 @dataclass(frozen=True, slots=True)
 class EndResult:
-    episode: Episode
+    episode: Episode | None  # None for a discarded episode (no trajectory is built)
     rewards: tuple[float, ...]
     turn_rewards: tuple[float, ...]
     duration_ms: float

@@ -12,8 +12,9 @@ from pydantic import ValidationError
 
 from engines.config import EngineType
 from engines.launch import add_engine_parser, run_engine_command
-from placement.cli import add_placement_parser, run_placement
+from placement.mig.cli import add_placement_parser, run_placement
 from server.config import load_settings
+from server.requestid import RequestIdFilter
 
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_engine_command(args)
     if args.command == "hash-token":
         return _hash_token(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())  # every record gets the request id of the RPC it was logged in
     if args.command == "serve":
         try:
             settings = load_settings(args.config, **_serve_overrides(args))

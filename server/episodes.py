@@ -86,6 +86,21 @@ class Episode:
         self.append(ids, [NAN] * len(ids), [int(origin)] * len(ids), version)
 
     @property
+    def group_key(self) -> str:
+        """Group ids are the client's, so they are scoped by tenant wherever they key shared state."""
+        return f"{self.tenant}/{self.group_id}"
+
+    @property
+    def routing_group(self) -> str:
+        """The group engines and routing co-locate (its members share the prompt's KV), or ""."""
+        return f"{self.tenant}/{self.group_id}" if self.shares_prompt else ""
+
+    @property
+    def start_version(self) -> int:
+        """The policy version the episode started at (its prompt's), which staleness admission compares."""
+        return self.versions[0] if self.versions else 0
+
+    @property
     def loss_mask(self) -> list[bool]:
         return [Origin(o).policy_sampled for o in self.origins]
 

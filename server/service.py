@@ -152,9 +152,13 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         origins: list[int] = []
         last_sent = 0.0
         try:
-            updates = self.bridge.step(req)
-            await anext(updates)  # validated and recorded: tell the client the call was accepted
-            await context.send_initial_metadata(ACCEPTED_METADATA)
+            handle = await self.bridge.prepare_step(req)
+        except Exception as exc:
+            await _abort(context, exc)
+            raise
+        updates = handle.updates()
+        try:
+            await context.send_initial_metadata(ACCEPTED_METADATA)  # accepted: the client's retry policy stops
             async for u in updates:
                 ids.extend(u.token_ids)
                 logprobs.extend(u.logprobs)
@@ -183,6 +187,9 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         except Exception as exc:
             await _abort(context, exc)
             raise
+        finally:
+            await updates.aclose()
+            await handle.close()
 
     def _chunk(
         self,
@@ -221,9 +228,9 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         except Exception as exc:
             await _abort(context, exc)
             raise
-        if request.discard:
-            return pb.EndEpisodeResponse()
         ep = result.episode
+        if ep is None:  # discarded: freed without a trajectory
+            return pb.EndEpisodeResponse()
         traj = pb.Trajectory(
             episode_id=ep.id,
             group_id=ep.group_id,

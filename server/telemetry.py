@@ -6,7 +6,9 @@ Invariants:
 - with tracing off no span code runs; the RPC span continues the trace in the client's
   metadata and is the current span while the handler runs, so engine spans are its children;
 - span attributes are ids and counts read from the messages (episode id, turn, replica,
-  token usage), never text.
+  token usage), never text;
+- every call runs with its request id set (``server.requestid``): the client's ``x-request-id``
+  or a fresh one; logs, the RPC span and the engine request ids carry it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import grpc
 
 from observability.metrics import BridgeMetrics
 from observability.tracing import Tracing
+from server.requestid import HEADER, current_request_id, new_request_id
 
 UNTRACED = ("grpc.health.", "grpc.reflection.")
 
@@ -38,8 +41,18 @@ def _code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.
     return grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
 
 
+def _set_request_id(context: grpc.aio.ServicerContext) -> None:
+    """The call's request id (the client's ``x-request-id`` or a fresh one) for logs, spans and engines."""
+    sent = ""
+    for key, value in context.invocation_metadata() or ():
+        if key == HEADER and isinstance(value, str):
+            sent = value
+            break
+    current_request_id.set(new_request_id(sent))
+
+
 def _request_attrs(request: Any) -> dict[str, Any]:
-    attrs: dict[str, Any] = {}
+    attrs: dict[str, Any] = {"primerl.request_id": current_request_id.get()}
     if episode_id := getattr(request, "episode_id", ""):
         attrs["primerl.episode_id"] = episode_id
     if group_size := getattr(request, "group_size", 0):
@@ -129,6 +142,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_unary(self, method: str, behavior: Any, traced: bool) -> Any:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
+            _set_request_id(context)
             span = self._start_span(method, request, context) if traced else None
             exc: BaseException | None = None
             try:
@@ -154,6 +168,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(self, method: str, behavior: Any, traced: bool) -> Any:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             started = time.perf_counter()
+            _set_request_id(context)
             span = self._start_span(method, request, context) if traced else None
             exc: BaseException | None = None
             try:

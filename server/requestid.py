@@ -1,0 +1,40 @@
+"""The request id of the RPC being served: set once per call, read by logs, traces and engine requests.
+
+``RequestIdInterceptor``-style setting happens in ``server.telemetry`` (the outermost interceptor): the
+id is the client's ``x-request-id`` metadata when it sends one, else a fresh random id. It lives in a
+``ContextVar``, so everything running for the call (the handler, the bridge, engine adapters) sees it
+without passing it along, and the id an operator finds in a log line is the one in the trace and in
+the engine's own request log.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import uuid
+
+HEADER = "x-request-id"
+MAX_LENGTH = 128  # a client's id is used as given up to this length (engines log it; keep lines sane)
+
+current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("primerl_request_id", default="")
+
+
+def new_request_id(sent: str = "") -> str:
+    """The client's id when it sent a usable one, else a fresh one."""
+    if sent and len(sent) <= MAX_LENGTH and sent.isprintable():
+        return sent
+    return uuid.uuid4().hex
+
+
+def engine_request_id(turn_index: int) -> str:
+    """The id of one engine request: the RPC's id and the turn (an env Step runs several turns)."""
+    rid = current_request_id.get() or uuid.uuid4().hex  # "" outside an RPC (tests driving the bridge directly)
+    return f"{rid}-{turn_index}"
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds ``request_id`` to every log record (``-`` outside an RPC), for ``%(request_id)s`` in formats."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = current_request_id.get() or "-"
+        return True

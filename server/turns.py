@@ -1,0 +1,169 @@
+"""One turn of an episode: open it, stream the engine's tokens into the episode, close it.
+
+Invariants:
+- a turn opened is always closed (``generate``'s ``finally``, or ``close`` for a turn whose stream
+  never started): on cancel, deadline or engine failure its finish reason is ABORT, its partial
+  tokens stay in the episode and the engine is told to abort;
+- tokens are appended as they stream, with logprob, origin and the policy version of the weights
+  that produced them;
+- the engine's report (cached tokens, the blocks it now holds) confirms or drops what routing
+  recorded, once the turn is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+from engines.base import Engine
+from engines.salt import CacheSalt
+from engines.types import FinishReason, GenerateRequest, Origin, SamplingParams, TokenChunk, Usage
+from observability.metrics import BridgeMetrics
+from server.calls import StepUpdate
+from server.episodes import Episode, Turn
+from server.errors import DeadlineExceeded, EngineError
+from server.requestid import engine_request_id
+from speculation.factory import SpeculationFactory, record_masked_positions
+
+SEED_STRIDE = 7919  # an episode-level seed covers the whole episode: turn t samples with seed + t * SEED_STRIDE
+
+
+class Turns:
+    """Opens, streams and closes the turns of every episode of one bridge."""
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        router: Any,
+        metrics: BridgeMetrics,
+        speculation: SpeculationFactory | None,
+        max_tokens_per_episode: int,
+    ) -> None:
+        self.engines = engines
+        self.info = engines[0].info
+        self.router = router
+        self.metrics = metrics
+        self.speculation = speculation
+        self.max_tokens_per_episode = max_tokens_per_episode
+
+    def open(
+        self, episode: Episode, observation: list[int], params: SamplingParams, step_seed: bool
+    ) -> tuple[Turn, SamplingParams]:
+        """Append the observation and open the next turn; returns it with its sampling parameters.
+
+        ``step_seed``: the Step set its own seed, used as given (else the episode's seed is offset per turn).
+        """
+        total = len(episode.token_ids) + len(observation)
+        budget = min(params.max_tokens, self.info.max_model_len - total, self.max_tokens_per_episode - total)
+        seed = params.seed
+        if seed is not None and not step_seed:
+            seed = (seed + len(episode.turns) * SEED_STRIDE) % 2**63
+        version = self.engines[episode.replica].policy_version
+        episode.append_unsampled(observation, Origin.ENV, version)
+        turn = Turn(
+            index=len(episode.turns),
+            observation_start=total - len(observation),
+            generation_start=total,
+            end=total,
+            policy_version=version,
+        )
+        episode.turns.append(turn)
+        return turn, replace(params, max_tokens=budget, seed=seed)
+
+    def has_room(self, episode: Episode, extra: int) -> bool:
+        """Whether ``extra`` more tokens still leave room to sample at least one."""
+        total = len(episode.token_ids) + extra
+        return total < self.info.max_model_len and total < self.max_tokens_per_episode
+
+    def _request(self, episode: Episode, turn: Turn, params: SamplingParams, grammar: Any) -> GenerateRequest:
+        drafter = constraint = None
+        if self.speculation is not None and (episode.tool_schemas or grammar is not None):
+            # Speculation targets tool-call spans only: episodes with tools (or an env's grammar).
+            drafter = self.speculation.drafter(episode.tool_schemas, grammar)
+            constraint = self.speculation.constraint(episode.tool_schemas, grammar)
+        return GenerateRequest(
+            request_id=engine_request_id(turn.index),
+            token_ids=tuple(episode.token_ids),
+            params=params,
+            episode_id=episode.id,
+            group_id=episode.routing_group,
+            # Salted per tenant too: cached-token counts must not reveal another tenant's prompts.
+            cache_salt=str(CacheSalt(episode.model, turn.policy_version, tenant=episode.tenant)),
+            drafter=drafter,
+            constraint=constraint,
+        )
+
+    async def generate(
+        self, episode: Episode, turn: Turn, params: SamplingParams, deadline: float | None, grammar: Any = None
+    ) -> AsyncIterator[StepUpdate]:
+        """Stream one turn from the episode's replica; the last update carries the closed ``turn``."""
+        engine = self.engines[episode.replica]
+        request = self._request(episode, turn, params, grammar)
+        route = self.router.current(episode)  # reported to the index when the turn ends
+        matched = route[0].matched_tokens if route is not None else 0
+        load = len(request.token_ids) - matched + params.max_tokens  # in-flight work: uncached prefill + decode
+        replica = episode.replica
+        self.router.begin(replica, load)
+        last: TokenChunk | None = None
+        stream = engine.generate(request)
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for chunk in stream:
+                    last = chunk
+                    origins = chunk.origins_or_sampled()
+                    if chunk.token_ids:
+                        if turn.ttft_ms == 0.0:
+                            turn.ttft_ms = (time.perf_counter() - turn.started) * 1e3
+                        episode.append(
+                            chunk.token_ids, chunk.logprobs, origins, chunk.policy_version, chunk.raw_logprobs
+                        )
+                        turn.end = len(episode.token_ids)
+                        turn.policy_version = chunk.policy_version
+                    raw = chunk.raw_logprobs
+                    if chunk.finish_reason is None:
+                        yield StepUpdate(chunk.token_ids, chunk.logprobs, origins, None, raw)
+                    else:
+                        self.close(turn, chunk.finish_reason, chunk.usage)
+                        if request.constraint is not None:  # the mask replay handle, before the last update
+                            record_masked_positions(episode.metadata, request.constraint, len(episode.token_ids))
+                        yield StepUpdate(chunk.token_ids, chunk.logprobs, origins, turn, raw)
+                        return
+            raise EngineError(f"engine {engine.info.replica!r} ended the stream without a finish reason")
+        except EngineError as exc:
+            self.router.mark(episode.replica, False, exc.message)
+            raise
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the turn did not finish before its deadline; {turn.end - turn.generation_start} partial "
+                "tokens are kept in the episode"
+            ) from None
+        finally:
+            self.router.end(replica, load)
+            if request.constraint is not None:  # (again on the normal path: the merge is idempotent)
+                record_masked_positions(episode.metadata, request.constraint, len(episode.token_ids))
+            if turn.finish_reason is None:  # cancelled, timed out or failed: keep what we have
+                self.close(turn, FinishReason.ABORT, last.usage if last else None)
+                await asyncio.shield(engine.abort(request.request_id))
+            await stream.aclose()
+            if route is not None and self.router.index is not None:
+                await asyncio.shield(self._report(episode, turn, route))
+
+    async def _report(self, episode: Episode, turn: Turn, route: Any) -> None:
+        """Tell the routing index what the engine now holds, and count what routing predicted."""
+        predicted = await self.router.report(episode, turn, route)
+        self.metrics.observe_index_lookup(self.info.model, turn.generation_start, predicted)
+
+    def close(self, turn: Turn, finish: FinishReason, usage: Usage | None) -> None:
+        """Record a turn's outcome (idempotent: a closed turn stays as it was closed)."""
+        if turn.finish_reason is not None:
+            return
+        turn.finish_reason = finish
+        turn.usage = usage or Usage(
+            prompt_tokens=turn.generation_start, generated_tokens=turn.end - turn.generation_start
+        )
+        turn.latency_ms = (time.perf_counter() - turn.started) * 1e3
+        latency_s, ttft_s = turn.latency_ms / 1e3, turn.ttft_ms / 1e3
+        self.metrics.observe_turn(self.info.model, self.info.engine, finish.name.lower(), turn.usage, latency_s, ttft_s)

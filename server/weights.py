@@ -1,0 +1,63 @@
+"""Weight updates and the policy version of one bridge's replicas.
+
+Invariants:
+- versions only move forward: one update at a time, each strictly greater than the current version;
+- replicas never serve mixed versions: a replica whose update failed leaves rotation until an update
+  reaches it (``mark``), and the error says which replicas were updated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+from engines.base import Engine
+from engines.types import WeightUpdate
+from server.errors import EngineError, InvalidArgument, Unimplemented
+
+MAX_POLICY_VERSION = 2**63 - 1
+
+
+class Weights:
+    """The policy version of a set of replicas, and the one path that changes it."""
+
+    def __init__(self, engines: Sequence[Engine], mark: Callable[[int, bool, str], None]) -> None:
+        self.engines = engines
+        self._mark = mark  # take a replica out of rotation (the router)
+        self._lock = asyncio.Lock()
+
+    @property
+    def version(self) -> int:
+        return max(e.policy_version for e in self.engines)
+
+    def _check(self, version: int) -> None:
+        current = self.version
+        if version > MAX_POLICY_VERSION:
+            raise InvalidArgument(f"policy_version must be at most {MAX_POLICY_VERSION} (int64), got {version}")
+        if version <= current:
+            raise InvalidArgument(f"policy_version {version} must be greater than the current version {current}")
+
+    async def update(self, checkpoint_path: str, policy_version: int, keep_kv: bool) -> int:
+        """Load a checkpoint on every replica; returns the new version (``policy_version`` or current + 1)."""
+        version = policy_version or self.version + 1
+        self._check(version)
+        info = self.engines[0].info
+        if not info.supports_weight_updates:
+            raise Unimplemented(f"engine {info.engine!r} cannot load new weights at run time")
+        update = WeightUpdate(checkpoint_path=checkpoint_path, policy_version=version, keep_kv=keep_kv)
+        async with self._lock:
+            self._check(version)  # another update may have landed while this one waited
+            done: list[str] = []
+            for i, engine in enumerate(self.engines):
+                try:
+                    await engine.update_weights(update)
+                except EngineError as exc:
+                    self._mark(i, False, f"weight update to version {version} failed: {exc.message}")
+                    if not done:
+                        raise
+                    raise EngineError(
+                        f"weights updated to version {version} on {done} but failed on {engine.info.replica!r} "
+                        f"({exc.message}); it is out of rotation until an update reaches it"
+                    ) from None
+                done.append(engine.info.replica)
+        return version
