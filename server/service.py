@@ -23,7 +23,7 @@ from server.bridge import Bridge
 from server.calls import NO_OVERRIDES, EndRequest, SamplingOverrides, StartRequest, StepRequest
 from server.envsession import EnvOutcome
 from server.episodes import Turn
-from server.errors import PrimeRLError
+from server.errors import PrimeRLError, status_code
 
 log = logging.getLogger("primerl.server")
 
@@ -31,15 +31,9 @@ SERVER_VERSION = "0.1.0"
 ACCEPTED_METADATA = (("primerl-accepted", "1"),)
 
 
-def _status_code(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, PrimeRLError):
-        return grpc.StatusCode[exc.code]
-    return grpc.StatusCode.INTERNAL
-
-
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, PrimeRLError):
-        code, message = _status_code(exc), exc.message
+        code, message = status_code(exc), exc.message
     else:
         log.exception("internal error in %s", type(exc).__name__)
         code, message = grpc.StatusCode.INTERNAL, "internal error in the bridge; see the server log"
