@@ -7,7 +7,8 @@ turns (SMG #1621). Every ``period_s`` a bridge publishes its own vector
 reads the others' in the same Lua call; their sum becomes the ``remote`` vector of the
 bridge's replica set (``placement.routing.ReplicaSet``).
 On a Redis error ``remote`` is zeroed (routing on this bridge's own load only) and the
-failure counted; the next period retries. ``MemoryLoadBoard`` is the in-process equivalent.
+failure counted; the next period retries. (The fleet simulator's in-process equivalent is
+``bench/fleet_sim/loadboard.py``.)
 """
 
 from __future__ import annotations
@@ -95,19 +96,3 @@ class RedisLoadBoard:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-
-
-class MemoryLoadBoard:
-    """In-process: several policies (bridges in one process, the simulator) see each other's load."""
-
-    def __init__(self, targets: list[LoadTarget]) -> None:
-        self.targets = targets
-
-    def sync_once(self) -> None:
-        n = max(len(t.load) for t in self.targets)
-        total = [0] * n
-        for t in self.targets:
-            for i, x in enumerate(t.load):
-                total[i] += x
-        for t in self.targets:
-            t.remote = [total[i] - (t.load[i] if i < len(t.load) else 0) for i in range(n)]

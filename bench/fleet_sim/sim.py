@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from bench.fleet_sim.engine import EngineSpec, Replica, SimRequest
+from bench.fleet_sim.loadboard import MemoryLoadBoard
 from cache.fingerprint import Fingerprinter
 from cache.index import BYTES_PER_ENTRY, IndexStats, Match, MemoryIndex
-from cache.loadboard import MemoryLoadBoard
 from placement.routing import CacheAware, Decision, Policy, RouteRequest, RoutingConfig, make_policy
 
 POLICIES = (
