@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import pct, record
 from placement import scenarios
-from placement.config import ModelsFile, PlannerOptions
-from placement.heuristic import solve_heuristic
-from placement.solver import Solution, build_problem, solve_exact
+from placement.mig.config import ModelsFile, PlannerOptions
+from placement.mig.heuristic import solve_heuristic
+from placement.mig.solver import Solution, build_problem, solve_exact
 
 
 def gap_study(n: int, seed: int) -> dict[str, float]:

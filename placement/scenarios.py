@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import random
 
-from placement.config import DemandSpec, FleetFile, ModelsFile, ModelSpec, NodeSpec
-from placement.memory import ModelArch, load_config_json
+from placement.mig.config import DemandSpec, FleetFile, ModelsFile, ModelSpec, NodeSpec
+from placement.mig.memory import ModelArch, load_config_json
 
 SMALL_MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3.1-8b", "mistral-7b-v0.1")
 _ARCHS: dict[str, ModelArch] = {}

@@ -38,10 +38,10 @@ def run_placement(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from placement.config import PlannerOptions, load_fleet, load_models
-    from placement.inventory import load_inventory
-    from placement.plan import Plan
-    from placement.solver import build_problem, solve
+    from placement.mig.config import PlannerOptions, load_fleet, load_models
+    from placement.mig.inventory import load_inventory
+    from placement.mig.plan import Plan
+    from placement.mig.solver import build_problem, solve
 
     if args.fleet:
         fleet = load_fleet(args.fleet)
@@ -62,7 +62,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _inventory(args: argparse.Namespace) -> int:
-    from placement.inventory import load_inventory
+    from placement.mig.inventory import load_inventory
 
     fleet, note, records = load_inventory(args.fleet)
     print(note)

@@ -17,8 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engines.errors import InvalidArgument
-from placement.catalog import GPU_TYPES, gpu_type, place_layout
-from placement.memory import DTYPE_BYTES, ModelArch, load_config_json
+from placement.mig.catalog import GPU_TYPES, gpu_type, place_layout
+from placement.mig.memory import DTYPE_BYTES, ModelArch, load_config_json
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 

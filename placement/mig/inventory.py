@@ -19,8 +19,8 @@ from types import ModuleType
 from typing import Any
 
 from engines.errors import FailedPrecondition
-from placement.catalog import GPU_TYPES, gpu_type, place_layout
-from placement.config import FleetFile, NodeSpec, load_fleet
+from placement.mig.catalog import GPU_TYPES, gpu_type, place_layout
+from placement.mig.config import FleetFile, NodeSpec, load_fleet
 
 _PROFILE_CONSTS = (
     "NVML_GPU_INSTANCE_PROFILE_1_SLICE",

@@ -247,7 +247,7 @@ def load_config_json(ref: str | Path, base: Path | None = None) -> dict[str, Any
     if path.suffix == ".json" and path.exists():
         data: dict[str, Any] = json.loads(path.read_text())
         return data
-    bundled = resources.files("placement") / "model_configs" / f"{ref}.json"
+    bundled = resources.files("placement.mig") / "model_configs" / f"{ref}.json"
     if bundled.is_file():
         out: dict[str, Any] = json.loads(bundled.read_text())
         return out
@@ -255,7 +255,7 @@ def load_config_json(ref: str | Path, base: Path | None = None) -> dict[str, Any
 
 
 def bundled_configs() -> list[str]:
-    root = resources.files("placement") / "model_configs"
+    root = resources.files("placement.mig") / "model_configs"
     return sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
 
 

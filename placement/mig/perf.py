@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from placement.catalog import GpuType
-from placement.config import ModelSpec, PerfModel
-from placement.memory import GiB, KvBudget, ModelArch, dtype_bytes, kv_budget
+from placement.mig.catalog import GpuType
+from placement.mig.config import ModelSpec, PerfModel
+from placement.mig.memory import GiB, KvBudget, ModelArch, dtype_bytes, kv_budget
 
 
 @dataclass(frozen=True)

@@ -14,34 +14,22 @@ import re
 import shlex
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from placement.catalog import GPU_TYPES, SOURCE_NOTE
-from placement.config import ModelSpec
-from placement.solver import Problem, Replica, Solution
+from placement.mig.catalog import GPU_TYPES, SOURCE_NOTE
+from placement.mig.config import ModelSpec
+from placement.mig.endpoints import ReplicaEndpoint
+from placement.mig.solver import Problem, Replica, Solution
 
 BASE_PORT = 8000
-
-
-@dataclass(frozen=True)
-class ReplicaEndpoint:
-    """One engine replica as the bridge's router and cache index see it."""
-
-    id: str
-    model: str
-    url: str
-    kv_capacity_tokens: int
-    block_size: int
-    max_num_seqs: int
 
 
 def _rid(r: Replica) -> str:
     where = f"{r.node}-g{'-'.join(map(str, r.gpu_indices))}"
     dev = f"{r.profile}-s{r.start}" if r.profile else (f"tp{len(r.gpu_indices)}" if len(r.gpu_indices) > 1 else "whole")
-    return re.sub(r"[^a-z0-9-]+", "-", f"{r.model}-{where}-{dev}".lower()).strip("-")
+    return _slug(f"{r.model}-{where}-{dev}")
 
 
 def _device_env(r: Replica) -> str:
@@ -78,6 +66,20 @@ def launch_argv(spec: ModelSpec, r: Replica, port: int) -> list[str]:
 
     base = sglang_command if spec.engine == "sglang" else vllm_command
     return [*base(spec.model_path or spec.name, port, spec.name), *budget_flags(spec, r)]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+
+
+def _chart_args(spec: ModelSpec, r: Replica) -> list[str]:
+    """The chart's engine ``args`` for a replica: vLLM's image runs the API server, so its flags only
+    (``VLLM_SERVER_DEV_MODE`` is the chart's env); the other images get the whole command."""
+    argv = launch_argv(spec, r, BASE_PORT)
+    if spec.engine != "vllm":
+        return argv
+    model = spec.model_path or spec.name
+    return [f"--model={model}", *argv[argv.index(model) + 1 :]]
 
 
 def launch_command(spec: ModelSpec, r: Replica, port: int) -> str:
@@ -125,27 +127,38 @@ class Plan:
             ]
         return {"version": "v1", "mig-configs": configs}
 
-    def helm_values(self) -> dict[str, Any]:
-        """Values for the chart: one Deployment per replica, MIG slices as nvidia.com/mig-<profile>."""
-        reps = []
-        for i, r in enumerate(self.sol.replicas):
-            spec = self.specs[r.model]
-            resource = f"nvidia.com/mig-{r.profile}" if r.profile else "nvidia.com/gpu"
-            reps.append(
-                {
-                    "name": _rid(r),
-                    "model": r.model,
-                    "engine": spec.engine,
-                    "nodeSelector": {"kubernetes.io/hostname": r.node},
-                    "resources": {"limits": {resource: 1 if r.profile else len(r.gpu_indices)}},
-                    "command": launch_argv(spec, r, self.ports[i]),
-                    "kvCapacityTokens": r.perf.budget.kv_tokens,
-                }
-            )
-        nodes = {
-            n: {"migConfig": n2} for n2, n in ((f"primerl-{g}", g) for g in sorted({g.node for g in self.sol.gpus}))
-        }
-        return {"mig": {"strategy": "mixed"}, "nodes": nodes, "replicas": reps}
+    def helm_values(self) -> dict[str, dict[str, Any]]:
+        """Values for k8s/HelmChart, one release per (model, device): ``{release name: values}``.
+
+        The chart runs one engine pool per engine type with one device per replica (a GPU count or a
+        MIG profile) and one model per bridge, so a plan with several models or device shapes is
+        several releases (``helm install NAME k8s/HelmChart -f`` each). Only keys the chart reads:
+        ``bridge.engine.{type,model}``, ``engines.<type>.{enabled,replicas,port,gpu,args,nodeSelector}``
+        (vLLM's image takes flags as ``args``; the others' ``args`` are the whole command).
+        """
+        shapes: dict[tuple[str, str | None, int], list[Replica]] = defaultdict(list)
+        for r in self.sol.replicas:
+            shapes[(r.model, r.profile, len(r.gpu_indices))].append(r)
+        out: dict[str, dict[str, Any]] = {}
+        for (model, profile, tp), reps in shapes.items():
+            spec = self.specs[model]
+            device = profile or (f"tp{tp}" if tp > 1 else "gpu")
+            pool: dict[str, Any] = {
+                "enabled": True,
+                "replicas": len(reps),
+                "port": BASE_PORT,
+                "gpu": {"count": 0 if profile else tp, "migProfile": profile or ""},
+                "args": _chart_args(spec, reps[0]),
+            }
+            nodes = {r.node for r in reps}
+            if len(nodes) == 1:  # several nodes: the scheduler finds the slices (no one nodeSelector matches)
+                pool["nodeSelector"] = {"kubernetes.io/hostname": nodes.pop()}
+            engines = {t: {"enabled": False} for t in ("vllm", "sglang", "trtllm") if t != spec.engine}
+            out[_slug(f"{model}-{device}")] = {
+                "bridge": {"engine": {"type": spec.engine, "model": model}},
+                "engines": {spec.engine: pool, **engines},
+            }
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         sol = self.sol

@@ -29,10 +29,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
-from placement.catalog import GPU_TYPES, GpuType, Placement, is_valid_geometry, maximal_layouts, place_layout
-from placement.config import FleetFile, ModelsFile, ModelSpec, PlannerOptions
-from placement.memory import ModelArch
-from placement.perf import ReplicaPerf, replica_perf, slice_device, whole_device
+from placement.mig.catalog import GPU_TYPES, GpuType, Placement, is_valid_geometry, maximal_layouts, place_layout
+from placement.mig.config import FleetFile, ModelsFile, ModelSpec, PlannerOptions
+from placement.mig.memory import ModelArch
+from placement.mig.perf import ReplicaPerf, replica_perf, slice_device, whole_device
 
 TP_SIZES = (1, 2, 4, 8)
 
@@ -264,17 +264,37 @@ def _finish(prob: Problem, name: str, status: str, t0: float, gpus: list[GpuPlan
 # ---- exact ----------------------------------------------------------------------------------
 
 
-def solve_exact(prob: Problem) -> Solution:
-    t0 = time.perf_counter()
-    specs = prob.specs
-    models = list(specs)
+@dataclass
+class _Milp:
+    """The exact problem's variables (served rate per model, layout counts ``y``, option counts ``o``) and
+    constraint rows ``(coefficients, lower, upper)``."""
+
+    n: int
+    s_idx: dict[str, int]
+    y_idx: dict[tuple[int, int], int]
+    o_idx: list[int]
+    layouts: dict[int, tuple[tuple[tuple[str, ...], tuple[Placement, ...]], ...]]
+    rows: list[tuple[dict[int, float], float, float]]
+
+    def matrix(self, extra: list[tuple[dict[int, float], float, float]]) -> LinearConstraint:
+        all_rows = self.rows + extra
+        a = lil_matrix((len(all_rows), self.n))
+        for r, (coef, _, _) in enumerate(all_rows):
+            for j, v in coef.items():
+                a[r, j] = v
+        return LinearConstraint(a.tocsr(), [lo for _, lo, _ in all_rows], [hi for _, _, hi in all_rows])
+
+
+def _milp(prob: Problem) -> _Milp:
+    """Variables and rows: per pool, whole GPUs and each MIG profile's slices within what its layouts give;
+    per model, the served rate within what its replicas can serve."""
     var_names: list[tuple[object, ...]] = []
 
     def var(*key: object) -> int:
         var_names.append(key)
         return len(var_names) - 1
 
-    s_idx = {m: var("s", m) for m in models}
+    s_idx = {m: var("s", m) for m in prob.specs}
     y_idx: dict[tuple[int, int], int] = {}
     layouts: dict[int, tuple[tuple[tuple[str, ...], tuple[Placement, ...]], ...]] = {}
     for pi, pool in enumerate(prob.pools):
@@ -283,7 +303,6 @@ def solve_exact(prob: Problem) -> Solution:
             for k in range(len(layouts[pi])):
                 y_idx[(pi, k)] = var("y", pi, k)
     o_idx = [var("o", i) for i in range(len(prob.choices))]
-    n = len(var_names)
     rows: list[tuple[dict[int, float], float, float]] = []  # (coefficients, lower, upper)
     for pi, pool in enumerate(prob.pools):
         gpu_row: dict[int, float] = {}
@@ -306,33 +325,30 @@ def solve_exact(prob: Problem) -> Solution:
                 if c:
                     row[y_idx[(pi, k)]] = -c
             rows.append((row, -np.inf, fixed[prof]))
-    for m in models:
+    for m in prob.specs:
         row = {s_idx[m]: 1.0}
         for i, o in enumerate(prob.choices):
             if o.model == m:
                 row[o_idx[i]] = -o.capacity
         rows.append((row, -np.inf, 0.0))
+    return _Milp(len(var_names), s_idx, y_idx, o_idx, layouts, rows)
 
-    def matrix(extra: list[tuple[dict[int, float], float, float]]) -> LinearConstraint:
-        all_rows = rows + extra
-        a = lil_matrix((len(all_rows), n))
-        for r, (coef, _, _) in enumerate(all_rows):
-            for j, v in coef.items():
-                a[r, j] = v
-        return LinearConstraint(a.tocsr(), [lo for _, lo, _ in all_rows], [hi for _, _, hi in all_rows])
 
+def solve_exact(prob: Problem) -> Solution:
+    t0 = time.perf_counter()
+    specs = prob.specs
+    mp = _milp(prob)
+    n, s_idx, y_idx, o_idx = mp.n, mp.s_idx, mp.y_idx, mp.o_idx
     lower = np.zeros(n)
     upper = np.full(n, np.inf)
-    for m in models:
-        upper[s_idx[m]] = specs[m].demand.tokens_per_s
     integrality = np.ones(n)
-    for m in models:
-        integrality[s_idx[m]] = 0
     value = np.zeros(n)
-    for m in models:
-        value[s_idx[m]] = specs[m].weight
+    for m, j in s_idx.items():
+        upper[j] = specs[m].demand.tokens_per_s
+        integrality[j] = 0
+        value[j] = specs[m].weight
     opts = {"time_limit": prob.options.time_limit_s, "mip_rel_gap": 1e-7}
-    r1 = milp(-value, constraints=matrix([]), integrality=integrality, bounds=Bounds(lower, upper), options=opts)
+    r1 = milp(-value, constraints=mp.matrix([]), integrality=integrality, bounds=Bounds(lower, upper), options=opts)
     if r1.x is None:
         raise RuntimeError(f"HiGHS found no solution: {r1.message}")
     best = float(value @ r1.x)
@@ -340,18 +356,18 @@ def solve_exact(prob: Problem) -> Solution:
     gpus_cost = np.zeros(n)
     for j in y_idx.values():
         gpus_cost[j] = 1
-    for i, o in enumerate(prob.choices):
-        gpus_cost[o_idx[i]] = o.tp if o.profile is None else 0
     eps = 1.0 / (sum(p.gpus for p in prob.pools) * 8 + 1)
-    for i in range(len(prob.choices)):
-        gpus_cost[o_idx[i]] += eps
+    for i, o in enumerate(prob.choices):
+        gpus_cost[o_idx[i]] = (o.tp if o.profile is None else 0) + eps
     keep = ({j: float(value[j]) for j in s_idx.values()}, best - 1e-6 * max(1.0, best), np.inf)
-    r2 = milp(gpus_cost, constraints=matrix([keep]), integrality=integrality, bounds=Bounds(lower, upper), options=opts)
+    r2 = milp(
+        gpus_cost, constraints=mp.matrix([keep]), integrality=integrality, bounds=Bounds(lower, upper), options=opts
+    )
     x = r2.x if r2.x is not None else r1.x
     status = "optimal" if r1.status == 0 and r2.status == 0 else f"stopped: {r1.message} / {r2.message}"
     counts = np.rint(x).astype(int)
     gpus, reps = _realise(
-        prob, {key: int(counts[j]) for key, j in y_idx.items()}, [int(counts[j]) for j in o_idx], layouts
+        prob, {key: int(counts[j]) for key, j in y_idx.items()}, [int(counts[j]) for j in o_idx], mp.layouts
     )
     return _finish(prob, "exact", status, t0, gpus, reps)
 
@@ -406,6 +422,6 @@ def _realise(
 def solve(prob: Problem) -> Solution:
     if prob.options.solver == "exact":
         return solve_exact(prob)
-    from placement.heuristic import solve_heuristic
+    from placement.mig.heuristic import solve_heuristic
 
     return solve_heuristic(prob)

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from placement.catalog import (
+from placement.mig.catalog import (
     GPU_TYPES,
     all_geometries,
     gpu_type,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engines.errors import InvalidArgument
-from placement.config import load_fleet, load_models
+from placement.mig.config import load_fleet, load_models
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD_MODEL = "  - name: a\n    config: qwen2.5-7b\n    demand: {tokens_per_s: 1000}\n"
@@ -103,7 +103,7 @@ def test_bad_models_file_is_one_error_naming_field_and_value(tmp_path: Path, tex
 
 def test_config_json_path_resolves_beside_the_models_file(tmp_path: Path) -> None:
     (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "config.json").write_text((REPO / "placement/model_configs/llama-3.1-8b.json").read_text())
+    (tmp_path / "cfg" / "config.json").write_text((REPO / "placement/mig/model_configs/llama-3.1-8b.json").read_text())
     path = write(
         tmp_path,
         "models.json",

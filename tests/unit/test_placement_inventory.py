@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from engines.errors import FailedPrecondition
-from placement.catalog import GPU_TYPES
-from placement.inventory import GpuRecord, MigDevice, fleet_from_records, load_inventory, nvml_module
+from placement.mig.catalog import GPU_TYPES
+from placement.mig.inventory import GpuRecord, MigDevice, fleet_from_records, load_inventory, nvml_module
 from server.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,7 +159,7 @@ class _FakeNvml:
 
 
 def test_read_nvml_maps_devices_slices_and_capacity() -> None:
-    from placement.inventory import read_nvml
+    from placement.mig.inventory import read_nvml
 
     records = read_nvml(_FakeNvml())
     r0, r1 = records

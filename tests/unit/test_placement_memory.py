@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from placement.memory import GiB, ModelArch, bundled_configs, dtype_bytes, kv_budget, load_config_json
+from placement.mig.memory import GiB, ModelArch, bundled_configs, dtype_bytes, kv_budget, load_config_json
 
 KiB = 1024
 

@@ -5,18 +5,22 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
+import helm_python as helm
 import pytest
 import yaml
 
-from placement.config import PlannerOptions, load_fleet, load_models
-from placement.plan import Plan
-from placement.solver import build_problem, solve
+from placement.mig.config import PlannerOptions, load_fleet, load_models
+from placement.mig.plan import Plan
+from placement.mig.solver import build_problem, solve
 from server.cli import main
+from tests.unit.test_deploy import by_kind, render
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = str(REPO / "examples/placement/fleet.yaml")
 MODELS = str(REPO / "examples/placement/models.yaml")
+CHART = REPO / "k8s" / "HelmChart"
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +56,46 @@ def test_replicas_carry_kv_capacity_and_flags_that_realise_it(plan: Plan) -> Non
     assert [e["id"] for e in data["bridge_replicas"]] == [r["id"] for r in data["replicas"]]
 
 
-def test_helm_values_request_mig_resources(plan: Plan) -> None:
-    values = plan.helm_values()
-    assert values["mig"]["strategy"] == "mixed"
-    for rep, v in zip(plan.sol.replicas, values["replicas"], strict=True):
-        limits = v["resources"]["limits"]
-        assert len(limits) == 1  # one resource type per container (device-plugin caveat)
-        if rep.profile:
-            assert limits == {f"nvidia.com/mig-{rep.profile}": 1}
-        else:
-            assert limits == {"nvidia.com/gpu": len(rep.gpu_indices)}
-        assert v["nodeSelector"] == {"kubernetes.io/hostname": rep.node}
+def _keys(values: Any, prefix: str = "") -> set[str]:
+    if not isinstance(values, dict):
+        return {prefix}
+    return {k for key, v in values.items() for k in _keys(v, f"{prefix}.{key}" if prefix else str(key))}
+
+
+def test_helm_values_render_the_chart_with_the_plans_replicas_and_devices(plan: Plan) -> None:
+    """Every plan device shape becomes a release the chart renders: its StatefulSet runs the plan's
+    replica count on the plan's MIG slice (or GPUs), and the bridge is pointed at those replicas."""
+    releases = plan.helm_values()
+    shapes = Counter((r.model, r.profile, len(r.gpu_indices)) for r in plan.sol.replicas)
+    assert len(releases) == len(shapes) and any(p for _, p, _ in shapes)  # the example plan uses MIG
+    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    selectors = {f"engines.{t}.nodeSelector.kubernetes.io/hostname" for t in chart_values["engines"]}
+    known = _keys(chart_values) | selectors
+    for name, values in releases.items():
+        assert _keys(values) <= known, _keys(values) - known  # only keys the chart has
+        assert not helm.lint(CHART, values, strict=True)["errors"], name
+        engine, model = values["bridge"]["engine"]["type"], values["bridge"]["engine"]["model"]
+        pool = values["engines"][engine]
+        [(_, profile, tp)] = [
+            k
+            for k in shapes
+            if k[0] == model and (k[1] or "") == pool["gpu"]["migProfile"] and (k[1] or k[2] == pool["gpu"]["count"])
+        ]
+        docs = render(values)
+        sets = by_kind(docs, "StatefulSet")
+        assert [n for n in sets if n != "primerl-redis"] == [f"primerl-{engine}"]  # the other engine pools are off
+        spec = sets[f"primerl-{engine}"]["spec"]
+        assert spec["replicas"] == shapes[(model, profile, tp)]
+        container = spec["template"]["spec"]["containers"][0]
+        expected = {f"nvidia.com/mig-{profile}": 1} if profile else {"nvidia.com/gpu": tp}
+        assert container["resources"]["limits"].items() >= expected.items()
+        flags = container.get("args") or container["command"]
+        assert "--kv-cache-memory-bytes" in flags or "--mem-fraction-static" in flags  # the plan's KV budget
+        bridge = by_kind(docs, "Deployment")["primerl-bridge"]["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in bridge["env"]}
+        assert (
+            env["PRIMERL_ENGINE__MODEL"] == model and len(json.loads(env["PRIMERL_ENGINE__URLS"])) == spec["replicas"]
+        )
 
 
 def test_mig_parted_config_matches_the_geometries(plan: Plan) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from placement import scenarios
-from placement.catalog import GPU_TYPES, is_valid_geometry
-from placement.config import (
+from placement.mig.catalog import GPU_TYPES, is_valid_geometry
+from placement.mig.config import (
     DemandSpec,
     FleetFile,
     ModelsFile,
@@ -20,8 +20,8 @@ from placement.config import (
     load_fleet,
     load_models,
 )
-from placement.heuristic import solve_heuristic
-from placement.solver import Problem, Solution, build_problem, solve_exact
+from placement.mig.heuristic import solve_heuristic
+from placement.mig.solver import Problem, Solution, build_problem, solve_exact
 
 REPO = Path(__file__).resolve().parents[2]
 
