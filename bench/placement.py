@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import placement_scenarios as scenarios
 from bench._common import pct, record
-from placement import scenarios
 from placement.mig.config import ModelsFile, PlannerOptions
 from placement.mig.heuristic import solve_heuristic
 from placement.mig.solver import Solution, build_problem, solve_exact

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from placement import scenarios
+from bench import placement_scenarios as scenarios
 from placement.mig.catalog import GPU_TYPES, is_valid_geometry
 from placement.mig.config import (
     DemandSpec,

@@ -1,4 +1,4 @@
-"""Synthetic fleets and demands for tests and ``bench/placement.py`` (seeded, reproducible).
+"""Synthetic fleets and demands for tests and ``bench/placement.py`` (seeded, reproducible; a fixture, not shipped).
 
 ``random_small`` draws the small instances on which the heuristic is compared with the ILP;
 ``mixed_small_models`` is many small models with modest demand (where MIG pays off);
