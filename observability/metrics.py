@@ -73,6 +73,10 @@ class RouterView(Protocol):
         """The prefix index routing consults (None with one replica or the cache off)."""
         ...
 
+    def decisions(self) -> Iterable[tuple[str, str, int]]:
+        """(policy, reason, turns routed so far) per routing reason (``placement.routing.Router``)."""
+        ...
+
 
 class BridgeView(Protocol):
     """What the scrape-time collector reads from the bridge (``server.bridge.Bridge`` has it)."""
@@ -280,6 +284,8 @@ class BridgeCollector(Collector):
         model = b.info.model
         f.active.add_metric([model], len(b.store))
         f.version.add_metric([model], b.policy_version)
+        for policy, reason, n in b.router.decisions():  # counted by the policy as it decides: no hot-path cost
+            f.routing.add_metric([model, policy, reason], n)
         for m, engine, source, value in self.metrics.hit_ratios():
             f.hit_ratio.add_metric([m, engine, source], value)
         for e in b.engines:
@@ -370,6 +376,12 @@ class _Families:
             "primerl_speculation_accepted_tokens", "Draft tokens the engine accepted by exact verification.",
             labels=mer,
         )  # fmt: skip
+        self.routing = CounterMetricFamily(
+            "primerl_routing_decisions",
+            "Turns routed, by policy and reason (rr, load, sticky, group, ring, cache, shed, fail_open, "
+            "fallback_sticky: cache_aware running sticky without a prefix index).",
+            labels=["model", "policy", "reason"],
+        )
         self.healthy = GaugeMetricFamily("primerl_engine_healthy", "1 if the last health check passed.", labels=er)
         self.stat = GaugeMetricFamily("primerl_engine_stat", "Other engine-reported values.", labels=[*er, "name"])
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from placement.mig.config import PlannerOptions, load_fleet, load_models
+from placement.mig.endpoints import load_endpoints
 from placement.mig.plan import Plan
 from placement.mig.solver import build_problem, solve
 from server.cli import main
@@ -96,6 +97,12 @@ def test_helm_values_render_the_chart_with_the_plans_replicas_and_devices(plan: 
         assert (
             env["PRIMERL_ENGINE__MODEL"] == model and len(json.loads(env["PRIMERL_ENGINE__URLS"])) == spec["replicas"]
         )
+
+
+def test_the_bridge_reads_back_the_replica_list_a_plan_file_carries(plan: Plan, tmp_path: Path) -> None:
+    for fmt in ("json", "yaml"):
+        (tmp_path / f"plan.{fmt}").write_text(plan.dump(fmt))
+        assert load_endpoints(tmp_path / f"plan.{fmt}") == plan.endpoints()
 
 
 def test_mig_parted_config_matches_the_geometries(plan: Plan) -> None:
