@@ -22,6 +22,7 @@ from typing import Any
 from bench import spec_workload as workload
 from bench._common import record
 from engines.config import EmbeddedConfig
+from engines.toolcall import TOOL_CALL_BEGIN
 from engines.types import GenerateRequest, SamplingParams
 from speculation.config import SpeculationConfig
 from speculation.drafters import SpeculativeDrafter
@@ -96,7 +97,7 @@ async def main() -> None:
             t.seconds += secs
             t.tokens += len(ids)
             t.forwards += forwards
-            tool = "<tool_call>" in engine.tokenizer.decode(ids)
+            tool = TOOL_CALL_BEGIN in engine.tokenizer.decode(ids)
             if tool:
                 t.tool_seconds += secs
                 t.tool_tokens += len(ids)
@@ -108,7 +109,7 @@ async def main() -> None:
     await engine.close()
 
     off = tallies["off"]
-    tool_eps = sum("<tool_call>" in engine.tokenizer.decode(o) for o in off.outputs)
+    tool_eps = sum(TOOL_CALL_BEGIN in engine.tokenizer.decode(o) for o in off.outputs)
     rows: list[tuple[str, str, str]] = [
         ("episodes (with a tool call)", f"{args.episodes} ({tool_eps})", ""),
         ("temperature / max tokens / max draft", f"{args.temperature} / {args.max_tokens} / {args.max_draft}", ""),
