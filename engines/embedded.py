@@ -60,6 +60,7 @@ from engines.kvcache import (
 )
 from engines.sampling import raw_logprob, sample, verify
 from engines.types import (
+    Capability,
     EngineCounters,
     EngineHealth,
     EngineInfo,
@@ -158,9 +159,8 @@ class EmbeddedEngine:
             vocab_size=vocab,
             max_model_len=loaded.max_model_len,
             eos_token_ids=loaded.tokenizer.eos_token_ids,
-            supports_weight_updates=True,
             replica=replica,
-            supports_constraints=True,
+            capabilities=frozenset(Capability),  # every one: raw logprobs, min-p, masks, drafts, weight swaps
         )
         self.counters = EngineCounters(extra={"kv_bytes": 0, "kv_evictions": 0, "deferred_decode_tokens": 0})
         self._version = 0

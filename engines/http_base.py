@@ -65,6 +65,7 @@ from engines.errors import (
 )
 from engines.salt import CacheSalt
 from engines.types import (
+    Capability,
     EngineCounters,
     EngineHealth,
     EngineInfo,
@@ -132,7 +133,10 @@ class RemoteEngine:
     engine_name: ClassVar[str] = "remote"
     generate_path: ClassVar[str] = "/v1/completions"
     models_path: ClassVar[str] = "/v1/models"
-    supports_weight_updates: ClassVar[bool] = False
+    # What the adapter can do (EngineInfo.capabilities). No remote engine reports raw (temperature-1)
+    # logprobs next to the processed ones (the logprobs mode is server-wide), so none declares RAW_LOGPROBS:
+    # such requests are refused, not served without them.
+    capabilities: ClassVar[frozenset[Capability]] = frozenset({Capability.MIN_P})
 
     def __init__(
         self,
@@ -185,7 +189,7 @@ class RemoteEngine:
             vocab_size=facts.vocab_size,
             max_model_len=config.max_model_len or facts.max_position_embeddings,
             eos_token_ids=facts.eos_token_ids,
-            supports_weight_updates=self.supports_weight_updates,
+            capabilities=self.declared_capabilities(),
             replica=replica or shown,
         )
 
@@ -208,6 +212,10 @@ class RemoteEngine:
         return self._served_name or self._info.model
 
     # -- subclass hooks -----------------------------------------------------------------------
+
+    def declared_capabilities(self) -> frozenset[Capability]:
+        """``capabilities``, less what this replica's configuration turns off."""
+        return self.capabilities
 
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
         raise NotImplementedError

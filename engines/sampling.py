@@ -1,7 +1,7 @@
 """Exact sampling from a logit vector (numpy), shared by the CPU engines.
 
 ``processed_logprobs`` returns the log-probabilities of the distribution that is actually
-sampled from, after temperature, top-k and top-p, so the logprob reported for a sampled
+sampled from, after temperature, min-p, top-k and top-p (vLLM's order), so the logprob reported for a sampled
 token is exact (the invariant trainers rely on for importance ratios).
 """
 
@@ -20,14 +20,23 @@ def log_softmax(logits: FloatArray) -> FloatArray:
     return shifted - np.log(np.sum(np.exp(shifted)))
 
 
-def processed_logprobs(logits: FloatArray, params: SamplingParams) -> FloatArray:
-    """Log-probabilities after temperature, top-k and top-p (``-inf`` for excluded tokens).
+def unfiltered(params: SamplingParams) -> bool:
+    """True when no filter (min-p, top-k, top-p) removes any token: plain temperature sampling."""
+    return params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0
 
-    Greedy (temperature 0) returns the raw distribution; the caller takes the argmax.
+
+def processed_logprobs(logits: FloatArray, params: SamplingParams) -> FloatArray:
+    """Log-probabilities after temperature, min-p, top-k and top-p (``-inf`` for excluded tokens).
+
+    Greedy (temperature 0) returns the raw distribution; the caller takes the argmax. Min-p keeps the
+    tokens with ``p >= min_p * p_max`` under the temperature-scaled distribution.
     """
     if params.temperature == 0:
         return log_softmax(logits)
     scaled = logits / params.temperature
+    if params.min_p > 0:
+        # p / p_max = exp(scaled - max): compare in log space, no normalisation needed.
+        scaled = np.where(scaled - np.max(scaled) >= np.log(params.min_p), scaled, -np.inf)
     if 0 < params.top_k < scaled.shape[0]:
         kth = np.partition(scaled, -params.top_k)[-params.top_k]
         scaled = np.where(scaled >= kth, scaled, -np.inf)
@@ -51,7 +60,7 @@ def raw_logprob(logits: FloatArray, token: int) -> float:
 
 def sample(logits: FloatArray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, float]:
     """Sample one token; return it with its logprob under the sampling distribution."""
-    if params.temperature > 0 and params.top_k == 0 and params.top_p >= 1.0:
+    if params.temperature > 0 and unfiltered(params):
         # Fast path (plain temperature sampling): one exp and one cumsum, same draws and
         # same distribution as the general path below.
         shifted = logits / params.temperature if params.temperature != 1.0 else logits

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 from engines.config import SglangConfig
 from engines.errors import Aborted, InvalidArgument
 from engines.http_base import Delta, RemoteEngine, StreamState
-from engines.types import FinishReason, GenerateRequest, Usage, WeightUpdate
+from engines.types import Capability, FinishReason, GenerateRequest, Usage, WeightUpdate
 
 CACHE_METRICS = ("sglang:cached_tokens_total", "sglang:prompt_tokens_total")
 
@@ -38,7 +38,7 @@ class SglangEngine(RemoteEngine):
 
     engine_name: ClassVar[str] = "sglang"
     generate_path: ClassVar[str] = "/generate"
-    supports_weight_updates: ClassVar[bool] = True
+    capabilities: ClassVar[frozenset[Capability]] = frozenset({Capability.MIN_P, Capability.WEIGHT_UPDATES})
     config: SglangConfig
 
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
@@ -49,7 +49,7 @@ class SglangEngine(RemoteEngine):
             "temperature": p.temperature,
             "top_p": p.top_p,
             "top_k": p.top_k if p.top_k > 0 else -1,
-            "min_p": 0.0,
+            "min_p": p.min_p,
             "frequency_penalty": 0.0,
             "presence_penalty": 0.0,
             "repetition_penalty": 1.0,

@@ -22,8 +22,9 @@ from collections.abc import AsyncGenerator, Sequence
 import numpy as np
 
 from engines.config import ToyConfig
-from engines.sampling import raw_logprob, sample, verify
+from engines.sampling import raw_logprob, sample, unfiltered, verify
 from engines.types import (
+    Capability,
     EngineCounters,
     EngineHealth,
     EngineInfo,
@@ -58,6 +59,9 @@ sun ways thing whole hear example heard several change answer room sea against t
 point city play toward five using himself usually zero six seven eight nine ten plus minus equals
 tool call result query error done yes
 """.split()  # noqa: SIM905 - a word list reads better as text
+
+
+CAPABILITIES = frozenset({Capability.RAW_LOGPROBS, Capability.MIN_P, Capability.DRAFT_VERIFY})
 
 
 class ToyTokenizer:
@@ -119,8 +123,8 @@ class ToyEngine:
             vocab_size=v,
             max_model_len=config.max_model_len,
             eos_token_ids=(END,),
-            supports_weight_updates=config.supports_weight_updates,
             replica=replica,
+            capabilities=CAPABILITIES | ({Capability.WEIGHT_UPDATES} if config.supports_weight_updates else set()),
         )
 
     @property
@@ -166,7 +170,7 @@ class ToyEngine:
         raw: list[float] = []
         origins: list[Origin] = []
         drafter = request.drafter
-        plain = params.temperature == 1.0 and params.top_k == 0 and params.top_p >= 1.0
+        plain = params.temperature == 1.0 and unfiltered(params)
         saved = 0  # tokens emitted beyond one per target forward (speculation)
         try:
             while produced < budget:

@@ -33,7 +33,6 @@ class TrtllmEngine(OpenAICompletionsEngine):
 
     engine_name: ClassVar[str] = "trtllm"
     generate_path: ClassVar[str] = "/v1/completions"
-    supports_weight_updates: ClassVar[bool] = False
     missing_ids_hint: ClassVar[str] = "the server ignored detokenize=false"
 
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
@@ -46,7 +45,7 @@ class TrtllmEngine(OpenAICompletionsEngine):
             "temperature": p.temperature,
             "top_p": p.top_p,
             "top_k": p.top_k,  # 0 disables top-k in TRT-LLM
-            "min_p": 0.0,
+            "min_p": p.min_p,
             "repetition_penalty": 1.0,
             "seed": p.seed,
             "stop": [],

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Annotated, Any, Protocol, get_type_hints, runtime_checkable
 
-from engines.errors import InvalidArgument, TokenOutOfVocabulary
+from pydantic import ConfigDict, Field
+
+from engines.errors import InvalidArgument, TokenOutOfVocabulary, Unimplemented
 
 
 class Origin(enum.IntEnum):
@@ -39,22 +41,67 @@ class FinishReason(enum.IntEnum):
     ABORT = 3
 
 
+class Capability(enum.Enum):
+    """Something an engine may or may not do; declared in ``EngineInfo.capabilities``.
+
+    A request that needs a capability its engine lacks is refused (``check_capabilities``), never
+    silently served without it.
+    """
+
+    RAW_LOGPROBS = "raw_logprobs"  # also report logprobs under the raw (temperature-1) distribution
+    MIN_P = "min_p"  # min-p filtering
+    CONSTRAINTS = "constraints"  # honours GenerateRequest.constraint (grammar-masked decoding)
+    DRAFT_VERIFY = "draft_verify"  # verifies GenerateRequest.drafter's drafts exactly
+    WEIGHT_UPDATES = "weight_updates"  # loads new weights (update_weights)
+
+
+@dataclass(frozen=True, slots=True)
+class Needs:
+    """``Annotated`` marker on a ``SamplingParams`` field: a value other than the default needs ``capability``."""
+
+    capability: Capability
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Fully resolved sampling parameters of one engine call.
+    """Sampling parameters, the one type from the trainer client to the engine.
+
+    Resolved (every field has its value) wherever an engine sees it; ``SamplingOverrides`` is the partial
+    form a request carries, and ``merge`` layers them: server defaults < episode < step. The field
+    annotations carry the bounds and docs of the server's ``[sampling]`` config section (pydantic reads
+    them) and, with ``Needs``, the engine capability a non-default value requires. Adding a field: the
+    proto message ``SamplingParams`` (same name), this class (+ ``validate``), and the engines that
+    implement it; ``tests/unit/test_proto_mirrors.py`` checks that the proto and this class agree.
 
     ``temperature == 0`` is greedy decoding; its reported logprobs are those of the raw
     (temperature-1) distribution, since the sampling distribution is a point mass.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-    raw_logprobs: bool = False  # also report logprobs under the raw (temperature-1) distribution
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+    temperature: Annotated[float, Field(ge=0, description="Softmax temperature; 0 is greedy.")] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, description="Nucleus mass; 1 disables it.")] = 1.0
+    top_k: Annotated[int, Field(ge=0, description="Top-k cut; 0 disables it.")] = 0
+    min_p: Annotated[
+        float,
+        Field(ge=0, le=1, description="Keep tokens with p >= min_p * p_max (after temperature); 0 disables it."),
+        Needs(Capability.MIN_P),
+    ] = 0.0
+    max_tokens: Annotated[int, Field(ge=1, description="Tokens sampled per turn at most.")] = 256
+    stop_token_ids: Annotated[
+        tuple[int, ...], Field(description="Token ids that end a turn (besides the model's end-of-turn tokens).")
+    ] = ()
+    seed: Annotated[int | None, Field(ge=0, lt=2**63, description="Seed; none = random.")] = None
+    ignore_eos: Annotated[bool, Field(description="Stop only on stop_token_ids or max_tokens.")] = False
+    raw_logprobs: Annotated[
+        bool,
+        Field(description="Also report logprobs under the raw (temperature-1) distribution."),
+        Needs(Capability.RAW_LOGPROBS),
+    ] = False
+
+    def merge(self, overrides: SamplingOverrides) -> SamplingParams:
+        """These parameters with the fields ``overrides`` sets on top (``defaults.merge(episode)``...)."""
+        return replace(self, **overrides) if overrides else self  # most Steps override nothing
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first bad field."""
@@ -64,11 +111,78 @@ class SamplingParams:
             raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidArgument(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidArgument(f"sampling.min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if self.max_tokens < 1:
             raise InvalidArgument(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidArgument(f"sampling.seed must be in [0, 2**63), got {self.seed}")
         check_token_ids(self.stop_token_ids, vocab_size, "sampling.stop_token_ids")
+
+
+SAMPLING_FIELDS: dict[str, Any] = {f.name: f.default for f in fields(SamplingParams)}
+"""Every ``SamplingParams`` field with its default, in declaration order."""
+_NEEDS: tuple[tuple[str, Any, Capability], ...] = tuple(
+    (name, SAMPLING_FIELDS[name], m.capability)
+    for name, hint in get_type_hints(SamplingParams, include_extras=True).items()
+    for m in getattr(hint, "__metadata__", ())
+    if isinstance(m, Needs)
+)
+
+
+class SamplingOverrides(Mapping[str, Any]):
+    """The ``SamplingParams`` fields a request sets (the rest inherit): ``SamplingOverrides(temperature=0.7)``.
+
+    Keys are ``SamplingParams`` field names (anything else is a TypeError naming the known ones); a None
+    value, or an empty ``stop_token_ids``, means "not set". Immutable and hashable.
+    """
+
+    __slots__ = ("_set",)
+    _set: dict[str, Any]
+
+    def __init__(self, values: Mapping[str, Any] | None = None, /, **kwargs: Any) -> None:
+        given = {**values, **kwargs} if values else kwargs
+        unknown = sorted(k for k in given if k not in SAMPLING_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown sampling field(s) {unknown}; the fields are {list(SAMPLING_FIELDS)}")
+        normalised: dict[str, Any] = {}
+        for k, v in given.items():
+            if isinstance(SAMPLING_FIELDS[k], tuple):  # a list field (a proto repeated field): empty = not set
+                v = tuple(v) if v else None
+            if v is not None:
+                normalised[k] = v
+        object.__setattr__(self, "_set", normalised)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._set[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._set)
+
+    def __len__(self) -> int:
+        return len(self._set)
+
+    def __getattr__(self, name: str) -> Any:
+        """``overrides.seed``: the value set, or None when it is inherited."""
+        if name in SAMPLING_FIELDS:
+            return self._set.get(name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("SamplingOverrides is immutable")
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._set.items()))
+
+    def __repr__(self) -> str:
+        return f"SamplingOverrides({', '.join(f'{k}={v!r}' for k, v in self._set.items())})"
+
+    def apply(self, base: SamplingParams) -> SamplingParams:
+        """``base.merge(self)`` (kept for callers written before ``SamplingParams.merge``)."""
+        return base.merge(self)
+
+
+NO_OVERRIDES = SamplingOverrides()
 
 
 def check_token_ids(ids: tuple[int, ...] | list[int], vocab_size: int, what: str) -> None:
@@ -155,11 +269,33 @@ class EngineInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
-    supports_weight_updates: bool
     replica: str = "local"
-    # Honours ``GenerateRequest.constraint`` (grammar-masked decoding). Engines that do not would silently
-    # decode unconstrained, so the bridge refuses constrained speculation on them.
-    supports_constraints: bool = False
+    # What the engine can do (``Capability``); a request needing anything else is refused by
+    # ``check_capabilities`` instead of being served without it.
+    capabilities: frozenset[Capability] = frozenset()
+
+    @property
+    def supports_weight_updates(self) -> bool:
+        return Capability.WEIGHT_UPDATES in self.capabilities
+
+    @property
+    def supports_constraints(self) -> bool:
+        """Honours ``GenerateRequest.constraint``; others would decode unconstrained (the bridge refuses)."""
+        return Capability.CONSTRAINTS in self.capabilities
+
+
+def check_capabilities(info: EngineInfo, params: SamplingParams) -> None:
+    """Raise Unimplemented naming the engine and the capability when ``params`` needs one ``info`` lacks.
+
+    A field needs the capability of its ``Needs`` marker when its value is not the default (``min_p > 0``,
+    ``raw_logprobs``), so a request that does not use a feature never depends on it.
+    """
+    for name, default, capability in _NEEDS:
+        if capability not in info.capabilities and getattr(params, name) != default:
+            raise Unimplemented(
+                f"engine {info.engine!r} (replica {info.replica}) does not support sampling.{name} "
+                f"(capability {capability.value!r}); leave it unset or use an engine that has it"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,7 @@ from engines.errors import (
 from engines.http_base import StreamState
 from engines.openai_compat import OpenAICompletionsEngine
 from engines.types import (
+    Capability,
     FinishReason,
     GenerateRequest,
     Origin,
@@ -112,8 +113,14 @@ class VllmEngine(OpenAICompletionsEngine):
 
     engine_name: ClassVar[str] = "vllm"
     generate_path: ClassVar[str] = "/v1/completions"
-    supports_weight_updates: ClassVar[bool] = True
+    capabilities: ClassVar[frozenset[Capability]] = frozenset(
+        {Capability.MIN_P, Capability.WEIGHT_UPDATES, Capability.DRAFT_VERIFY}
+    )
     config: VllmConfig
+
+    def declared_capabilities(self) -> frozenset[Capability]:
+        """Drafts are verified (greedy turns) only with ``vllm.verify_drafts``."""
+        return self.capabilities if self.config.verify_drafts else self.capabilities - {Capability.DRAFT_VERIFY}
 
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
         p = request.params
@@ -125,7 +132,7 @@ class VllmEngine(OpenAICompletionsEngine):
             "temperature": p.temperature,
             "top_p": p.top_p,
             "top_k": p.top_k if p.top_k > 0 else -1,
-            "min_p": 0.0,
+            "min_p": p.min_p,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
             "repetition_penalty": 1.0,

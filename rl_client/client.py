@@ -60,16 +60,10 @@ _RETRY_SERVICE_CONFIG = json.dumps(
 
 
 def _sampling(s: Sampling | Mapping[str, Any] | None) -> pb.SamplingParams:
-    if s is None:
+    """The proto message, field by field by name (``Sampling`` checks the names; the proto has the same ones)."""
+    if not s:
         return pb.SamplingParams()
-    if isinstance(s, Mapping):
-        s = Sampling(**s)
-    p = pb.SamplingParams(stop_token_ids=list(s.stop_token_ids))
-    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "raw_logprobs"):
-        value = getattr(s, name)
-        if value is not None:
-            setattr(p, name, value)
-    return p
+    return pb.SamplingParams(**(s if isinstance(s, Sampling) else Sampling(s)))
 
 
 def _messages(items: Sequence[Message] | Sequence[Mapping[str, str]]) -> pb.Messages:

@@ -9,23 +9,15 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from engines.types import SamplingOverrides
+
+# Sampling parameters a call sets, e.g. ``Sampling(temperature=0.7, max_tokens=64)``; the rest inherit
+# (turn <- episode <- server defaults). The fields are those of ``engines.types.SamplingParams``, the one
+# sampling type from this client to the engine (an unknown name is a TypeError listing the fields).
+Sampling = SamplingOverrides
 FinishReason = Literal["stop", "length", "abort", "unspecified"]
 ORIGINS = ("unspecified", "prompt", "env", "sampled", "draft_accepted", "resampled", "forced")
 FINISH_REASONS: tuple[FinishReason, ...] = ("unspecified", "stop", "length", "abort")
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """Sampling parameters; None inherits (turn <- episode <- server defaults)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_tokens: int | None = None
-    stop_token_ids: Sequence[int] = ()
-    seed: int | None = None
-    ignore_eos: bool | None = None
-    raw_logprobs: bool | None = None  # also return logprobs under the raw (temperature-1) distribution
 
 
 @dataclass(frozen=True, slots=True)

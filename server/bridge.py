@@ -29,7 +29,7 @@ from dataclasses import replace
 from cache import CacheConfig
 from engines.base import Engine
 from engines.salt import CacheSalt
-from engines.types import Message, Origin, SamplingParams, check_token_ids
+from engines.types import Message, Origin, SamplingParams, check_capabilities, check_token_ids
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
 from placement.policies import RouteRequest, RoutingConfig
@@ -145,6 +145,7 @@ class Bridge:
 
     def _check_sampling(self, params: SamplingParams) -> None:
         params.validate(self.info.vocab_size)
+        check_capabilities(self.info, params)  # UNIMPLEMENTED naming engine and capability (min_p, raw_logprobs)
         if params.max_tokens > self.admission.max_tokens_per_turn:
             raise InvalidArgument(
                 f"sampling.max_tokens = {params.max_tokens} exceeds the limit of "

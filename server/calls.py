@@ -4,34 +4,15 @@ and what the bridge hands back. Frozen, so a request is validated once and never
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from engines.types import Message, Origin, SamplingParams
+from engines.types import NO_OVERRIDES, Message, Origin, SamplingOverrides
 from server.envsession import EnvOutcome
 from server.episodes import Episode, Turn
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingOverrides:
-    """Sampling fields a request sets explicitly (None = inherit)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_tokens: int | None = None
-    stop_token_ids: tuple[int, ...] | None = None
-    seed: int | None = None
-    ignore_eos: bool | None = None
-    raw_logprobs: bool | None = None
-
-    def apply(self, base: SamplingParams) -> SamplingParams:
-        if self == NO_OVERRIDES:  # most Steps override nothing; ``base`` is frozen, so it serves as is
-            return base
-        changes = {k: v for k in self.__slots__ if (v := getattr(self, k)) is not None}
-        return replace(base, **changes)
-
-
-NO_OVERRIDES = SamplingOverrides()
+# ``SamplingOverrides`` (the fields a request sets) and ``NO_OVERRIDES`` are engines.types' partial form of
+# ``SamplingParams``, re-exported here for the bridge's calls.
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +21,7 @@ class StartRequest:
     prompt_ids: tuple[int, ...] | None = None
     prompt_messages: tuple[Message, ...] | None = None
     tool_schemas: tuple[str, ...] = ()
-    sampling: SamplingOverrides = SamplingOverrides()
+    sampling: SamplingOverrides = NO_OVERRIDES
     group_size: int = 1
     group_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
@@ -66,7 +47,7 @@ class StepRequest:
     episode_id: str
     observation_ids: tuple[int, ...] | None = None
     observation_messages: tuple[Message, ...] | None = None
-    sampling: SamplingOverrides = SamplingOverrides()
+    sampling: SamplingOverrides = NO_OVERRIDES
     tenant: str = ""
     deadline_s: float | None = None
 

@@ -51,18 +51,11 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 def _overrides(p: pb.SamplingParams) -> SamplingOverrides:
-    if not p.ListFields():  # nothing set (most Steps): skip eight presence checks
+    """The fields the request set, by name (proto and ``SamplingParams`` share them: test_proto_mirrors)."""
+    fields = p.ListFields()  # only the set ones (a repeated field: when non-empty)
+    if not fields:  # nothing set (most Steps)
         return NO_OVERRIDES
-    return SamplingOverrides(
-        temperature=p.temperature if p.HasField("temperature") else None,
-        top_p=p.top_p if p.HasField("top_p") else None,
-        top_k=p.top_k if p.HasField("top_k") else None,
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
-        stop_token_ids=tuple(p.stop_token_ids) if p.stop_token_ids else None,
-        seed=p.seed if p.HasField("seed") else None,
-        ignore_eos=p.ignore_eos if p.HasField("ignore_eos") else None,
-        raw_logprobs=p.raw_logprobs if p.HasField("raw_logprobs") else None,
-    )
+    return SamplingOverrides({f.name: v for f, v in fields})
 
 
 def _messages(m: pb.Messages) -> tuple[Message, ...]:

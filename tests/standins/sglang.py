@@ -22,7 +22,7 @@ Follows ``../shared/reference/engine_api_contracts.md`` §2, quirks included:
 
 Limits of the stand-in (rejected with HTTP 400 naming the field): ``text``/``input_embeds``
 prompts without a tokenizer, batched ``input_ids``, ``top_logprobs_num > 0``, and sampling
-knobs the backing engine cannot honour (penalties, ``min_p``, stop strings, grammars) unless
+knobs the backing engine cannot honour (penalties, stop strings, grammars) unless
 they are neutral.
 """
 
@@ -110,7 +110,6 @@ SAMPLING_KEYS = frozenset(
 # Knobs the backing engine cannot honour: accepted only at their neutral value.
 NEUTRAL: dict[str, Any] = {
     "min_new_tokens": 0,
-    "min_p": 0.0,
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
@@ -205,6 +204,7 @@ class SglangStandin:
                 temperature=temperature,
                 top_p=float(sp.get("top_p", 1.0)),
                 top_k=0 if top_k == -1 else top_k,
+                min_p=float(sp.get("min_p", 0.0)),
                 max_tokens=max(min(max_new, room), 1),
                 stop_token_ids=tuple(int(t) for t in sp.get("stop_token_ids") or ()),
                 seed=None if seed is None else int(seed),

@@ -18,7 +18,7 @@ Follows ``../shared/reference/engine_api_contracts.md`` §3, quirks included:
   ``/update_weights`` takes CUDA IPC handles, which cannot be opened here (HTTP 400).
 
 Limits of the stand-in (HTTP 400 naming the field): string prompts without a tokenizer, and
-knobs the backing engine cannot honour (penalties, ``min_p``, stop strings, logit bias,
+knobs the backing engine cannot honour (penalties, stop strings, logit bias,
 ``response_format``) unless neutral.
 """
 
@@ -164,7 +164,6 @@ class TrtllmStandin:
         neutral = {
             "frequency_penalty": (req.frequency_penalty, 0.0),
             "presence_penalty": (req.presence_penalty, 0.0),
-            "min_p": (req.min_p, 0.0),
             "repetition_penalty": (req.repetition_penalty, 1.0),
             "min_tokens": (req.min_tokens, 0),
             "echo": (req.echo, False),
@@ -193,6 +192,7 @@ class TrtllmStandin:
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
                 max_tokens=max_tokens,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 seed=req.seed,

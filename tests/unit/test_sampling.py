@@ -76,3 +76,52 @@ async def test_toy_plain_sampling_equals_the_general_path_before_and_after_a_wei
             token, logprob = engine._sample_plain(history, fast)
             want_token, want_logprob = sample(engine.logits(history), params, general)
             assert token == want_token and logprob == pytest.approx(want_logprob, abs=1e-9)
+
+
+def test_min_p_keeps_tokens_above_a_fraction_of_the_most_likely_after_temperature() -> None:
+    params = SamplingParams(temperature=0.8, min_p=0.2)
+    p = np.exp(processed_logprobs(LOGITS, params))
+    tempered = np.exp(LOGITS / 0.8) / np.exp(LOGITS / 0.8).sum()
+    keep = tempered >= 0.2 * tempered.max()
+    assert 1 < keep.sum() < len(LOGITS)  # the cut is not trivial for these logits
+    np.testing.assert_allclose(p[keep], tempered[keep] / tempered[keep].sum())
+    assert (p[~keep] == 0).all()
+    # With top-k and top-p, min-p comes first (vLLM's order): the kept set is then cut by the nucleus.
+    both = np.exp(processed_logprobs(LOGITS, SamplingParams(temperature=0.8, min_p=0.05, top_p=0.7)))
+    assert np.count_nonzero(both) <= np.count_nonzero(np.exp(processed_logprobs(LOGITS, SamplingParams(min_p=0.05))))
+
+
+def test_min_p_sampling_matches_the_filtered_distribution() -> None:
+    params = SamplingParams(temperature=1.3, min_p=0.1)
+    rng = np.random.default_rng(9)
+    n = 20_000
+    counts = np.zeros(LOGITS.shape[0])
+    for _ in range(n):
+        token, _ = sample(LOGITS, params, rng)
+        counts[token] += 1
+    expected = np.exp(processed_logprobs(LOGITS, params)) * n
+    support = expected > 0
+    assert counts[~support].sum() == 0 and support.sum() < len(LOGITS)
+    assert stats.chisquare(counts[support], expected[support]).pvalue > 0.01
+
+
+async def test_toy_engine_samples_min_p_exactly() -> None:
+    """First tokens of 3,000 seeded toy turns follow the min-p distribution; each logprob is exact."""
+    from engines.types import GenerateRequest
+
+    engine = ToyEngine(ToyConfig())
+    prompt = (1, 5, 9)
+    logits = engine.logits(prompt)
+    n = 3000
+    counts = np.zeros(logits.shape[0])
+    for seed in range(n):
+        params = SamplingParams(temperature=1.0, min_p=0.3, max_tokens=1, seed=seed)
+        (chunk,) = [c async for c in engine.generate(GenerateRequest(f"r{seed}", prompt, params))]
+        token = chunk.token_ids[0]
+        counts[token] += 1
+        assert chunk.logprobs[0] == pytest.approx(processed_logprobs(logits, params)[token], abs=1e-12)
+    expected = np.exp(processed_logprobs(logits, SamplingParams(min_p=0.3))) * n
+    support = expected > 0
+    assert 1 < support.sum() < 50  # min-p cut most of the toy's 512 tokens
+    assert counts[~support].sum() == 0
+    assert stats.chisquare(counts[support], expected[support]).pvalue > 0.01

@@ -107,6 +107,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     RAW_LOGPROBS_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature, >= 0. 0 means greedy decoding."""
     top_p: _builtins.float
@@ -126,6 +127,10 @@ class SamplingParams(_message.Message):
     no top-k/top-p), e.g. for a KL term or to train at another temperature. NaN where the
     engine cannot report it.
     """
+    min_p: _builtins.float
+    """Min-p filtering in [0, 1]: keep the tokens whose probability (after temperature) is at least
+    min_p times the most likely token's. 0 disables it.
+    """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end the turn (in addition to the model's end-of-turn tokens).
@@ -143,15 +148,18 @@ class SamplingParams(_message.Message):
         seed: _builtins.int | None = ...,
         ignore_eos: _builtins.bool | None = ...,
         raw_logprobs: _builtins.bool | None = ...,
+        min_p: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_raw_logprobs", b"_raw_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "raw_logprobs", b"raw_logprobs", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_raw_logprobs", b"_raw_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "min_p", b"min_p", "raw_logprobs", b"raw_logprobs", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_raw_logprobs", b"_raw_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "raw_logprobs", b"raw_logprobs", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_raw_logprobs", b"_raw_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "min_p", b"min_p", "raw_logprobs", b"raw_logprobs", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ignore_eos: _TypeAlias = _typing.Literal["ignore_eos"]  # noqa: Y015
     _WhichOneofArgType__ignore_eos: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
+    _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
     _WhichOneofReturnType__raw_logprobs: _TypeAlias = _typing.Literal["raw_logprobs"]  # noqa: Y015
     _WhichOneofArgType__raw_logprobs: _TypeAlias = _typing.Literal["_raw_logprobs", b"_raw_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
@@ -166,6 +174,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ignore_eos) -> _WhichOneofReturnType__ignore_eos | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p) -> _WhichOneofReturnType__min_p | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__raw_logprobs) -> _WhichOneofReturnType__raw_logprobs | None: ...
     @_typing.overload
