@@ -7,8 +7,9 @@ Layout::
     registry.py   make_env(name, config): sql-qa, code-math, web-lookup (+ register())
     loop.py       ToolLoop: the server-side tool loop the bridge drives per turn
     grammar.py    ToolGrammar: an env's tool schemas for the speculation layer
-    rewards.py    reward shapers (success, format, step, cost, tool-trace)
-    graders.py    deterministic graders in [0, 1]
+    graders.py    the one reward system: Grader protocol, Rubric (weighted sum/mean, group modes),
+                  answer graders registered by name (exact)
+    rewards.py    env shaping terms (success, format, step, cost, tool-trace) over a RewardContext
     openenv.py    OpenEnv HTTP facade (create_app) and client (OpenEnvClient)
     connectors/   sql (SQLite, PostgreSQL), sandbox (bubblewrap), http (SSRF-safe), browser
     envs/         the ready environments
@@ -19,18 +20,37 @@ Importing the package imports neither Playwright, psycopg nor Starlette.
 from engines.toolcall import parse_tool_calls
 from envhub.base import Environment, Task, ToolEnvironment
 from envhub.config import EnvHubConfig
+from envhub.graders import (
+    Answer,
+    FnGrader,
+    Grader,
+    Mode,
+    Rubric,
+    Scored,
+    get_grader,
+    grade_exact,
+    grader_names,
+    pareto_fronts,
+    register_grader,
+)
 from envhub.grammar import ToolGrammar, grammar_for
 from envhub.loop import LoopDecision, ToolLoop
 from envhub.registry import make_env, names, register
 from envhub.types import EnvState, FinalAnswer, ResetResult, StepResult, ToolCall, ToolResult, ToolSpec
 
 __all__ = [
+    "Answer",
     "EnvHubConfig",
     "EnvState",
     "Environment",
     "FinalAnswer",
+    "FnGrader",
+    "Grader",
     "LoopDecision",
+    "Mode",
     "ResetResult",
+    "Rubric",
+    "Scored",
     "StepResult",
     "Task",
     "ToolCall",
@@ -39,9 +59,14 @@ __all__ = [
     "ToolLoop",
     "ToolResult",
     "ToolSpec",
+    "get_grader",
+    "grade_exact",
+    "grader_names",
     "grammar_for",
     "make_env",
     "names",
+    "pareto_fronts",
     "parse_tool_calls",
     "register",
+    "register_grader",
 ]

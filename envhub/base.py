@@ -20,7 +20,8 @@ from typing import Protocol, runtime_checkable
 
 from engines.errors import FailedPrecondition, InvalidArgument, ToolError
 from engines.types import Message
-from envhub.rewards import RewardContext, Shaper, extract_answer
+from envhub.graders import EXACT, Answer, Grader
+from envhub.rewards import RewardContext, Shaping, default_shaping, extract_answer
 from envhub.types import (
     JSON,
     Action,
@@ -92,17 +93,19 @@ class ToolEnvironment:
     """Bookkeeping shared by the ready environments: tasks, tools, trace, grading, shaping.
 
     Subclasses set ``name``, ``system_prompt``, ``tasks`` and register tools with
-    ``add_tool``; they implement ``grade(task, answer) -> float in [0, 1]``.
+    ``add_tool``; the final answer is graded by ``grader`` (an answer grader, default ``exact``;
+    or override ``grade(task, answer) -> float in [0, 1]``) and shaped by ``rubric``.
     """
 
     name = "tool-env"
     system_prompt = ""
+    grader: Grader[Answer] = EXACT
 
-    def __init__(self, tasks: tuple[Task, ...], shaper: Shaper | None = None) -> None:
+    def __init__(self, tasks: tuple[Task, ...], rubric: Shaping | None = None) -> None:
         if not tasks:
             raise InvalidArgument(f"environment {self.name!r} needs at least one task")
         self.tasks = tasks
-        self.shaper = shaper or Shaper()
+        self.rubric = rubric or default_shaping()
         self._tools: dict[str, tuple[ToolSpec, ToolFn]] = {}
         self._task = tasks[0]
         self._episode_id = ""
@@ -118,7 +121,7 @@ class ToolEnvironment:
         return tuple(spec for spec, _ in self._tools.values())
 
     def grade(self, task: Task, answer: str) -> float:
-        raise NotImplementedError
+        return self.grader(Answer(answer, task.reference))
 
     def task_by_id(self, task_id: str | None, seed: int | None) -> Task:
         if task_id is not None:
@@ -183,7 +186,7 @@ class ToolEnvironment:
             trace=tuple(self._trace),
             truncated=truncated,
         )
-        breakdown = self.shaper.shape(ctx)
+        breakdown = self.rubric.score(ctx)
         self._done = True
         self._reward = breakdown.total
         return StepResult(observation=(), reward=breakdown.total, done=True, reward_terms=breakdown.terms)

@@ -1,18 +1,18 @@
-"""Reward shapers: small, pure terms combined into one scalar with a visible breakdown.
+"""Env shaping terms: graders (``envhub.graders.Grader``) of a finished episode's ``RewardContext``.
 
 Invariants:
-- Every term is a pure function of a ``RewardContext`` (deterministic, no I/O), so a
-  ``grpo/`` rater can call the same shaper on recorded episodes and get the same number.
-- ``Shaper.shape`` returns the total and the per-term values; the total is optionally
-  clipped (ready environments clip to [0, 1]).
+- Every term is a pure function of a ``RewardContext`` (deterministic, no I/O), so a trainer can
+  re-score recorded episodes and get the same number.
+- An environment sums its terms with a ``Rubric`` (weights 1, ``mean=False``) whose ``score`` returns the
+  total and the per-term values; the ready environments clip to [0, 1] (``default_shaping``).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Protocol
 
+from envhub.graders import Grader, Rubric
 from envhub.types import ToolTraceEntry
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -36,13 +36,6 @@ class RewardContext:
     tool_seconds: float
     trace: tuple[ToolTraceEntry, ...] = ()
     truncated: bool = False  # the tool-call bound ended the episode
-
-
-class RewardTerm(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    def __call__(self, ctx: RewardContext) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,22 +101,9 @@ class ToolTrace:
         return -self.per_error * errors + (self.bonus if got_bonus else 0.0)
 
 
-@dataclass(frozen=True, slots=True)
-class RewardBreakdown:
-    total: float
-    terms: tuple[tuple[str, float], ...]
+Shaping = Rubric[RewardContext]  # an environment's reward: its shaping terms summed
 
 
-@dataclass(frozen=True, slots=True)
-class Shaper:
-    """A sum of terms, optionally clipped to ``[lo, hi]``."""
-
-    terms: tuple[RewardTerm, ...] = (Success(),)
-    clip: tuple[float, float] | None = (0.0, 1.0)
-
-    def shape(self, ctx: RewardContext) -> RewardBreakdown:
-        values = tuple((t.name, float(t(ctx))) for t in self.terms)
-        total = sum(v for _, v in values)
-        if self.clip is not None:
-            total = min(self.clip[1], max(self.clip[0], total))
-        return RewardBreakdown(total=total, terms=values)
+def default_shaping(*terms: Grader[RewardContext]) -> Shaping:
+    """The ready environments' reward: the sum of ``terms`` (default: the grader's score) clipped to [0, 1]."""
+    return Rubric(terms or (Success(),), clip=(0.0, 1.0), name="shaping")

@@ -42,6 +42,20 @@ class ToolSpec:
         return json.dumps(self.to_openai(), sort_keys=True)
 
 
+def string_tool(name: str, description: str, **props: str) -> ToolSpec:
+    """A tool whose arguments are all required strings (``props``: argument name -> description)."""
+    return ToolSpec(
+        name=name,
+        description=description,
+        parameters={
+            "type": "object",
+            "properties": {k: {"type": "string", "description": v} for k, v in props.items()},
+            "required": list(props),
+            "additionalProperties": False,
+        },
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class FinalAnswer:
     """The model's final answer; stepping with it ends the episode and grades it."""
@@ -62,6 +76,10 @@ class ToolResult:
     error_kind: str = ""
     elapsed_s: float = 0.0
     images: tuple[bytes, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.is_error
 
     def as_message(self) -> Message:
         return Message(role="tool", content=self.content, name=self.name)

@@ -2,7 +2,7 @@
 
 advantages.py  GRPO, Dr. GRPO, RLOO group baselines; GAE; token broadcasting (numpy)
 masks.py       loss mask from a trajectory and token origins; StalenessFilter (max_async_level)
-rater.py       reward functions (answer, format, length, tool-trace scoring) and Rater modes
+rater.py       reward functions (answer, format, length, tool-trace scoring), combined by envhub.Rubric
 sampler.py     prompts -> GRPO groups through StartEpisode(group_size=G), per-member env loop
 pipeline.py    sync / async rollout-train scheduling bounded by max_async_level
 losses.py      clipped surrogate, k3 KL, clipped value loss (torch)

@@ -1,10 +1,10 @@
-"""Composable reward functions and the ``Rater`` that combines them (absolute, group-relative, Pareto).
+"""GRPO reward functions: graders of a finished ``Rollout``, combined by envhub's ``Rubric``.
 
 A reward function maps one finished ``Rollout`` (its assistant turns' text, the tool results the
-environment returned, the task's expected answer) to a float in [0, 1]. ``Rater`` takes a weighted sum
-(``mode="absolute"``), rescales it inside each group (``"group_relative"``: min-max to [0, 1]), or ranks
-members by Pareto dominance over the objectives (``"pareto"``: 1.0 for the non-dominated front down to
-0.0 for the last front). Per-turn rewards come from ``turn_rewards``: the tool-trace score of each turn.
+environment returned, the task's expected answer) to a float in [0, 1]. They are combined by the env hub's
+one reward system (``envhub.Rubric.weighted``: a weighted mean, then per group ``absolute``,
+``group_relative`` or ``pareto``), the same that shapes the environments' rewards; tool results are
+``envhub.ToolResult``. Per-turn rewards come from ``turn_rewards``: the tool-trace score of each turn.
 
 Tool calls are parsed by the format's one parser (``engines.toolcall.parse_tool_calls``: ``<tool_call>`` blocks
 whose payload is ``{"name", "arguments"}`` or a JSON list of those; an unterminated block is parsed as far
@@ -18,12 +18,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import jsonschema
 
 from engines.toolcall import TOOL_CALL_BEGIN, ToolCall, strip_end_markers
 from engines.toolcall import parse_tool_calls as _parse_format
+from envhub import ToolResult
 
 _NUMBER = r"-?\d+(?:\.\d+)?"
 
@@ -35,15 +36,6 @@ class ParsedTurn:
     has_block: bool
     calls: tuple[ToolCall, ...]
     errors: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ToolResult:
-    """What the environment returned for one call (``ok=False``: the tool failed or refused)."""
-
-    name: str
-    ok: bool
-    output: str
 
 
 @dataclass
@@ -166,87 +158,30 @@ def length_penalty(budget: int) -> RewardFn:
     return fn
 
 
-Mode = Literal["absolute", "group_relative", "pareto"]
-
-
-def pareto_fronts(points: Sequence[Sequence[float]]) -> list[int]:
-    """Non-dominated sorting: front index per point (0 = not dominated by anyone)."""
-    n = len(points)
-    front = [-1] * n
-    remaining = set(range(n))
-    level = 0
-
-    def dominates(a: Sequence[float], b: Sequence[float]) -> bool:
-        return all(x >= y for x, y in zip(a, b, strict=True)) and any(x > y for x, y in zip(a, b, strict=True))
-
-    while remaining:
-        current = {i for i in remaining if not any(dominates(points[j], points[i]) for j in remaining if j != i)}
-        for i in current:
-            front[i] = level
-        remaining -= current
-        level += 1
-    return front
-
-
-class Rater:
-    """Named reward functions with weights; ``rate_group`` applies the mode across a GRPO group."""
-
-    def __init__(self, fns: Mapping[str, tuple[RewardFn, float]], mode: Mode = "absolute") -> None:
-        if not fns:
-            raise ValueError("a Rater needs at least one reward function")
-        self.fns = dict(fns)
-        self.mode = mode
-        total = sum(w for _, w in self.fns.values())
-        self._norm = total if total > 0 else 1.0
-
-    def components(self, r: Rollout) -> dict[str, float]:
-        return {name: float(fn(r)) for name, (fn, _) in self.fns.items()}
-
-    def absolute(self, r: Rollout) -> float:
-        """The weighted mean of the components (in [0, 1] when every component is)."""
-        c = self.components(r)
-        return sum(c[n] * w for n, (_, w) in self.fns.items()) / self._norm
-
-    def rate_group(self, group: Sequence[Rollout]) -> list[float]:
-        if self.mode == "absolute":
-            return [self.absolute(r) for r in group]
-        if self.mode == "group_relative":
-            raw = [self.absolute(r) for r in group]
-            lo, hi = min(raw), max(raw)
-            return [0.0 if hi == lo else (x - lo) / (hi - lo) for x in raw]
-        comps = [self.components(r) for r in group]
-        names = list(self.fns)
-        fronts = pareto_fronts([[c[n] for n in names] for c in comps])
-        worst = max(fronts)
-        return [1.0 if worst == 0 else 1.0 - f / worst for f in fronts]
-
-    def turn_rewards(self, r: Rollout, schemas: Mapping[str, Mapping[str, Any]]) -> list[float]:
-        """Per-turn reward: a turn with tool calls scores its (parsed + schema-valid) / 2, others 0."""
-        out = []
-        for t in r.turns:
-            s = score_tool_trace([t], [], schemas)
-            out.append(0.5 * (s.parsed + s.schema_valid) if s.called else 0.0)
-        return out
+def turn_rewards(r: Rollout, schemas: Mapping[str, Mapping[str, Any]]) -> list[float]:
+    """Per-turn reward: a turn with tool calls scores its (parsed + schema-valid) / 2, others 0."""
+    out = []
+    for t in r.turns:
+        s = score_tool_trace([t], [], schemas)
+        out.append(0.5 * (s.parsed + s.schema_valid) if s.called else 0.0)
+    return out
 
 
 __all__ = [
-    "Mode",
     "ParsedTurn",
-    "Rater",
     "RewardFn",
     "Rollout",
     "ToolCall",
-    "ToolResult",
     "ToolTraceScore",
     "answer_format",
     "exact_answer",
     "final_answer",
     "length_penalty",
-    "pareto_fronts",
     "parse_tool_calls",
     "schema_errors",
     "score_tool_trace",
     "strip_end",
     "tool_index",
     "tool_trace_reward",
+    "turn_rewards",
 ]

@@ -1,10 +1,11 @@
 """Prompts -> GRPO groups through the bridge: ``StartEpisode(group_size=G)``, a user-supplied environment
-loop per member, rewards from a ``Rater``, ``EndEpisode`` with the reward, trajectories back.
+loop per member, rewards from a rater (an ``envhub.Rubric`` of ``Rollout`` graders), ``EndEpisode`` with the
+reward, trajectories back.
 
 Invariants
 ----------
 * One ``StartEpisode`` per group, so the engine co-locates the group and prefills its prompt once.
-* Rewards are rated per group (``Rater.rate_group``) after every member finished, then attached by
+* Rewards are rated per group (``Rubric.rate_group``) after every member finished, then attached by
   ``EndEpisode``; the returned ``Trajectory`` therefore carries the reward the trainer uses.
 * A failure in any member discards the group's open episodes and is raised (no partial groups).
 * At most ``concurrency`` groups are in flight; ``progress`` shows a tqdm bar over groups.
@@ -18,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from grpo.rater import Rater, Rollout
+from envhub import Rubric
+from grpo.rater import Rollout
 from rl_client import AsyncBridgeClient, Trajectory, TurnResult, run_episodes
 
 P = TypeVar("P")
@@ -93,7 +95,11 @@ class GroupSampler(Generic[P]):
     """Collects GRPO groups: ``env_factory(problem)`` builds one ``EpisodeEnv`` per member."""
 
     def __init__(
-        self, client: AsyncBridgeClient, env_factory: Callable[[P], EpisodeEnv], rater: Rater, concurrency: int = 4
+        self,
+        client: AsyncBridgeClient,
+        env_factory: Callable[[P], EpisodeEnv],
+        rater: Rubric[Rollout],
+        concurrency: int = 4,
     ) -> None:
         self.client = client
         self.env_factory = env_factory

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.toolcall import format_call
+from envhub import Mode, Rubric, ToolResult
 from grpo.rater import (
-    Rater,
     Rollout,
-    ToolResult,
     ToolTraceScore,
     answer_format,
     exact_answer,
@@ -119,17 +118,17 @@ def run_tool(turn_text: str) -> tuple[str, ToolResult] | None:
         return None
     if not parsed.calls:
         msg = f"error: malformed tool call ({parsed.errors[0] if parsed.errors else 'empty'})"
-        return msg, ToolResult("", False, msg)
+        return msg, ToolResult("", msg, is_error=True, error_kind="malformed")
     call = parsed.calls[0]
     errors = schema_errors(call, SCHEMAS)
     if errors:
         msg = f"error: invalid call to {call.name!r}: {errors[0]}"
-        return msg, ToolResult(call.name, False, msg)
+        return msg, ToolResult(call.name, msg, is_error=True, error_kind="invalid")
     try:
         value = str(calculate(str(call.arguments["expression"])))
     except ValueError as e:
-        return f"error: {e}", ToolResult(call.name, False, str(e))
-    return value, ToolResult(call.name, True, value)
+        return f"error: {e}", ToolResult(call.name, str(e), is_error=True, error_kind="runtime")
+    return value, ToolResult(call.name, value)
 
 
 class ArithmeticEnv:
@@ -166,9 +165,9 @@ def _tool_name(r: Rollout) -> float:
     return float(any(c.name == "calculator" for c in calls))
 
 
-def arithmetic_rater(mode: str = "absolute") -> Rater:
+def arithmetic_rater(mode: Mode = "absolute") -> Rubric[Rollout]:
     """Shaped so that partial progress pays: most GRPO groups then hold different rewards (a signal)."""
-    return Rater(
+    return Rubric.weighted(
         {
             "call_emitted": (lambda r: _trace(r).called, 0.1),
             "call_parsed": (lambda r: _trace(r).parsed, 0.15),
@@ -178,7 +177,7 @@ def arithmetic_rater(mode: str = "absolute") -> Rater:
             "answer_format": (answer_format, 0.15),
             "correct": (exact_answer, 0.25),
         },
-        mode=mode,  # type: ignore[arg-type]
+        mode=mode,
     )
 
 

@@ -14,20 +14,14 @@ from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig
 from envhub.connectors.sandbox import CodeSandbox
 from envhub.envs._data import load_tasks
-from envhub.graders import grade_exact
-from envhub.rewards import Shaper
-from envhub.types import JSON, ToolResult, ToolSpec
+from envhub.rewards import Shaping
+from envhub.types import JSON, ToolResult, string_tool
 
-PYTHON_TOOL = ToolSpec(
-    name="run_python",
-    description="Run a Python 3 program in an isolated sandbox (no network, no files outside /work); "
+PYTHON_TOOL = string_tool(
+    "run_python",
+    "Run a Python 3 program in an isolated sandbox (no network, no files outside /work); "
     "returns its exit status, stdout and stderr. Print what you need.",
-    parameters={
-        "type": "object",
-        "properties": {"code": {"type": "string", "description": "Python source code."}},
-        "required": ["code"],
-        "additionalProperties": False,
-    },
+    code="Python source code.",
 )
 
 
@@ -39,8 +33,8 @@ class CodeMathEnv(ToolEnvironment):
         "Give the final answer as <answer>NUMBER</answer>."
     )
 
-    def __init__(self, sandbox: CodeSandbox, tasks: tuple[Task, ...], shaper: Shaper | None = None) -> None:
-        super().__init__(tasks, shaper)
+    def __init__(self, sandbox: CodeSandbox, tasks: tuple[Task, ...], rubric: Shaping | None = None) -> None:
+        super().__init__(tasks, rubric)
         self.sandbox = sandbox
         self.add_tool(PYTHON_TOOL, self._run)
 
@@ -48,9 +42,6 @@ class CodeMathEnv(ToolEnvironment):
         result = await self.sandbox.run(str(args["code"]))
         kind = "" if result.ok else ("timeout" if result.timed_out else "runtime")
         return ToolResult("run_python", result.describe(), not result.ok, kind, result.elapsed_s)
-
-    def grade(self, task: Task, answer: str) -> float:
-        return grade_exact(answer, task.reference)
 
 
 def make(config: EnvHubConfig) -> CodeMathEnv:

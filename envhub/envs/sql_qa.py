@@ -1,7 +1,7 @@
 """``sql-qa``: answer questions about the bundled company database with read-only SQL.
 
 Tool: ``sql_query(query)`` runs one read-only statement (``SqliteReadOnly``). The grader
-compares the final answer with the task's reference (``graders.grade_exact``).
+compares the final answer with the task's reference (the ``exact`` grader).
 """
 
 from __future__ import annotations
@@ -13,27 +13,21 @@ from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig
 from envhub.connectors.sql import SqliteReadOnly
 from envhub.envs._data import BUNDLED_DB, load_tasks
-from envhub.graders import grade_exact
-from envhub.rewards import Shaper
-from envhub.types import JSON, ToolResult, ToolSpec
+from envhub.rewards import Shaping
+from envhub.types import JSON, ToolResult, string_tool
 
-SQL_TOOL = ToolSpec(
-    name="sql_query",
-    description="Run one read-only SQL (SQLite) SELECT statement against the company database; returns rows.",
-    parameters={
-        "type": "object",
-        "properties": {"query": {"type": "string", "description": "One SQL SELECT statement."}},
-        "required": ["query"],
-        "additionalProperties": False,
-    },
+SQL_TOOL = string_tool(
+    "sql_query",
+    "Run one read-only SQL (SQLite) SELECT statement against the company database; returns rows.",
+    query="One SQL SELECT statement.",
 )
 
 
 class SqlQaEnv(ToolEnvironment):
     name = "sql-qa"
 
-    def __init__(self, db: SqliteReadOnly, tasks: tuple[Task, ...], shaper: Shaper | None = None) -> None:
-        super().__init__(tasks, shaper)
+    def __init__(self, db: SqliteReadOnly, tasks: tuple[Task, ...], rubric: Shaping | None = None) -> None:
+        super().__init__(tasks, rubric)
         self.db = db
         self.system_prompt = (
             "You answer questions about a company database by calling the sql_query tool, then give the final "
@@ -44,9 +38,6 @@ class SqlQaEnv(ToolEnvironment):
 
     async def _sql(self, args: Mapping[str, JSON]) -> ToolResult:
         return ToolResult("sql_query", await self.db.query(str(args["query"])))
-
-    def grade(self, task: Task, answer: str) -> float:
-        return grade_exact(answer, task.reference)
 
     async def close(self) -> None:
         self.db.close()

@@ -16,29 +16,18 @@ from envhub.base import Task, ToolEnvironment
 from envhub.config import BrowserConfig, EnvHubConfig
 from envhub.connectors.browser import BrowserSession, origin_of
 from envhub.envs._data import load_tasks
-from envhub.graders import grade_exact
-from envhub.rewards import Shaper
-from envhub.types import JSON, ToolResult, ToolSpec
-
-
-def _spec(name: str, description: str, **props: str) -> ToolSpec:
-    return ToolSpec(
-        name=name,
-        description=description,
-        parameters={
-            "type": "object",
-            "properties": {k: {"type": "string", "description": v} for k, v in props.items()},
-            "required": list(props),
-            "additionalProperties": False,
-        },
-    )
-
+from envhub.rewards import Shaping
+from envhub.types import JSON, ToolResult, string_tool
 
 BROWSER_TOOLS = (
-    _spec("navigate", "Open a page of the site in the browser.", url="Absolute URL or a path relative to the site."),
-    _spec("click", "Click an element (CSS selector, or text=Label).", selector="CSS selector or text=..."),
-    _spec("extract_text", "Visible text of an element of the current page.", selector="CSS selector; body for all."),
-    _spec("screenshot", "Take a PNG screenshot of the current page."),
+    string_tool(
+        "navigate", "Open a page of the site in the browser.", url="Absolute URL or a path relative to the site."
+    ),
+    string_tool("click", "Click an element (CSS selector, or text=Label).", selector="CSS selector or text=..."),
+    string_tool(
+        "extract_text", "Visible text of an element of the current page.", selector="CSS selector; body for all."
+    ),
+    string_tool("screenshot", "Take a PNG screenshot of the current page."),
 )
 
 
@@ -46,9 +35,9 @@ class WebBrowseEnv(ToolEnvironment):
     name = "web-browse"
 
     def __init__(
-        self, config: BrowserConfig, site_url: str, tasks: tuple[Task, ...], shaper: Shaper | None = None
+        self, config: BrowserConfig, site_url: str, tasks: tuple[Task, ...], rubric: Shaping | None = None
     ) -> None:
-        super().__init__(tasks, shaper)
+        super().__init__(tasks, rubric)
         self.site_url = site_url if site_url.endswith("/") else site_url + "/"
         origins = (*config.allowed_origins, origin_of(self.site_url))
         self.browser = BrowserSession(config.model_copy(update={"allowed_origins": origins}))
@@ -82,9 +71,6 @@ class WebBrowseEnv(ToolEnvironment):
     async def _screenshot(self, _args: Mapping[str, JSON]) -> ToolResult:
         png = await (await self._session()).screenshot()
         return ToolResult("screenshot", f"screenshot taken: PNG, {len(png)} bytes", images=(png,))
-
-    def grade(self, task: Task, answer: str) -> float:
-        return grade_exact(answer, task.reference)
 
     async def close(self) -> None:
         await self.browser.close()

@@ -17,19 +17,13 @@ from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig
 from envhub.connectors.http import SafeHttpClient
 from envhub.envs._data import load_tasks
-from envhub.graders import grade_exact
-from envhub.rewards import Shaper
-from envhub.types import JSON, ToolResult, ToolSpec
+from envhub.rewards import Shaping
+from envhub.types import JSON, ToolResult, string_tool
 
-FETCH_TOOL = ToolSpec(
-    name="fetch_page",
-    description="Fetch a web page of the shop site and return its text; links are shown as [text](url).",
-    parameters={
-        "type": "object",
-        "properties": {"url": {"type": "string", "description": "Absolute URL or a path relative to the site."}},
-        "required": ["url"],
-        "additionalProperties": False,
-    },
+FETCH_TOOL = string_tool(
+    "fetch_page",
+    "Fetch a web page of the shop site and return its text; links are shown as [text](url).",
+    url="Absolute URL or a path relative to the site.",
 )
 
 
@@ -72,9 +66,9 @@ class WebLookupEnv(ToolEnvironment):
     name = "web-lookup"
 
     def __init__(
-        self, client: SafeHttpClient, site_url: str, tasks: tuple[Task, ...], shaper: Shaper | None = None
+        self, client: SafeHttpClient, site_url: str, tasks: tuple[Task, ...], rubric: Shaping | None = None
     ) -> None:
-        super().__init__(tasks, shaper)
+        super().__init__(tasks, rubric)
         self.client = client
         self.site_url = site_url if site_url.endswith("/") else site_url + "/"
         self.system_prompt = (
@@ -94,9 +88,6 @@ class WebLookupEnv(ToolEnvironment):
             text = text[:cap] + f"\n... (truncated at {cap} characters)"
         ok = 200 <= result.status < 400
         return ToolResult("fetch_page", f"HTTP {result.status} {result.url}\n{text}", not ok, "" if ok else "http")
-
-    def grade(self, task: Task, answer: str) -> float:
-        return grade_exact(answer, task.reference)
 
     async def close(self) -> None:
         await self.client.aclose()

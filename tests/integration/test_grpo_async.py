@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
+from envhub import Rubric
 from grpo.masks import StalenessFilter, oldest_version
 from grpo.pipeline import Pipeline
-from grpo.rater import Rater, Rollout
+from grpo.rater import Rollout
 from grpo.sampler import Group, GroupSampler, GroupSpec, SamplerStats
 from rl_client import AsyncBridgeClient, TurnResult
 from tests.conftest import StartBridge
@@ -34,9 +35,9 @@ class TwoTurnEnv:
         return Rollout(self.texts, [], None, self.generated)
 
 
-def length_rater() -> Rater:
+def length_rater() -> Rubric[Rollout]:
     # a deterministic function of what was sampled, so rewards differ inside a group
-    return Rater({"len": (lambda r: min(1.0, r.generated_tokens / 16), 1.0)})
+    return Rubric.weighted({"len": (lambda r: min(1.0, r.generated_tokens / 16), 1.0)})
 
 
 def specs(n: int, g: int = 4) -> list[GroupSpec[int]]:

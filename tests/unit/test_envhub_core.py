@@ -11,13 +11,12 @@ from engines.errors import InvalidArgument
 from engines.toolcall import TOOL_CALL_BEGIN, parse_tool_calls
 from envhub import EnvHubConfig, make_env, names, register
 from envhub.base import Task, ToolEnvironment
-from envhub.graders import grade_exact
+from envhub.graders import Rubric, grade_exact
 from envhub.grammar import grammar_for
 from envhub.rewards import (
     CostPenalty,
     FormatBonus,
     RewardContext,
-    Shaper,
     StepPenalty,
     Success,
     ToolTrace,
@@ -29,8 +28,8 @@ from envhub.types import FinalAnswer, ToolTraceEntry
 def test_shaper_terms_and_clip() -> None:
     trace = (ToolTraceEntry("sql_query", True, 0.5), ToolTraceEntry("sql_query", False, 0.5, "refused"))
     ctx = RewardContext(success=1.0, format_ok=False, steps=3, tool_seconds=1.0, trace=trace)
-    shaper = Shaper(
-        terms=(
+    shaper = Rubric(
+        (
             Success(),
             FormatBonus(penalty=0.1),
             StepPenalty(per_step=0.05, free_steps=1),
@@ -39,12 +38,12 @@ def test_shaper_terms_and_clip() -> None:
         ),
         clip=None,
     )
-    out = shaper.shape(ctx)
+    out = shaper.score(ctx)
     assert dict(out.terms) == pytest.approx(
         {"success": 1.0, "format": -0.1, "steps": -0.1, "cost": -0.02, "tool_trace": 0.1}
     )
     assert out.total == pytest.approx(0.88)
-    assert Shaper(terms=(Success(weight=2.0),)).shape(ctx).total == 1.0  # clipped to [0, 1]
+    assert Rubric((Success(weight=2.0),), clip=(0.0, 1.0)).score(ctx).total == 1.0  # clipped to [0, 1]
     truncated = RewardContext(0.0, True, 9, 0.0, truncated=True)
     assert StepPenalty(per_step=0.0, truncation=0.3)(truncated) == -0.3
 
@@ -120,3 +119,23 @@ async def test_ready_env_tasks_have_prompts_and_tools() -> None:
         assert opening.messages[0].role == "system" and "<tool_call>" in opening.messages[0].content
         assert opening.messages[-1].role == "user" and opening.tools
         await env.close()
+
+
+async def test_graders_register_by_name_and_environments_grade_with_theirs() -> None:
+    from envhub import Answer, FnGrader, get_grader, register_grader
+
+    assert get_grader("exact")(Answer("The answer is 3", "3")) == 0.5
+    with pytest.raises(InvalidArgument, match=r"unknown grader 'nope'; registered: .*exact"):
+        get_grader("nope")
+    with pytest.raises(InvalidArgument, match="already registered"):
+        register_grader(FnGrader("exact", lambda a: 1.0))
+    shout = FnGrader("shout-test", lambda a: float(a.text == a.reference.upper()))
+    register_grader(shout)
+    assert get_grader("shout-test") is shout
+
+    class Shout(ToolEnvironment):
+        grader = shout
+
+    env = Shout((Task("a", "say hi", "hi"),))
+    await env.reset()
+    assert (await env.step(FinalAnswer("<answer>HI</answer>"))).reward == 1.0

@@ -10,16 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from envhub import Rubric, ToolResult, pareto_fronts
 from grpo.rater import (
-    Rater,
     Rollout,
     ToolCall,
-    ToolResult,
     answer_format,
     exact_answer,
     final_answer,
     length_penalty,
-    pareto_fronts,
     parse_tool_calls,
     schema_errors,
     score_tool_trace,
@@ -62,11 +60,11 @@ def test_schema_errors_name_the_problem() -> None:
 
 def test_tool_trace_score_fractions() -> None:
     two = CALL + '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call><tool_call>{bad'
-    s = score_tool_trace([two], [ToolResult("calculator", True, "7"), ToolResult("calculator", False, "e")], SCHEMAS)
+    s = score_tool_trace([two], [ToolResult("calculator", "7"), ToolResult("calculator", "e", is_error=True)], SCHEMAS)
     assert (s.called, s.parsed, s.schema_valid, s.succeeded) == (1.0, 2 / 3, 0.5, 0.5)
     assert score_tool_trace(["no call"], [], SCHEMAS).called == 0.0
     fn = tool_trace_reward(SCHEMAS)
-    assert fn(Rollout([CALL], [ToolResult("calculator", True, "7")])) == pytest.approx(1.0)
+    assert fn(Rollout([CALL], [ToolResult("calculator", "7")])) == pytest.approx(1.0)
 
 
 def _recorded() -> list[dict[str, object]]:
@@ -115,7 +113,9 @@ def test_answer_functions() -> None:
 
 
 def test_rater_modes() -> None:
-    rater = Rater({"a": (lambda r: float(r.turns[0] == "a"), 3.0), "len": (lambda r: min(1.0, len(r.turns) / 2), 1.0)})
+    rater = Rubric.weighted(
+        {"a": (lambda r: float(r.turns[0] == "a"), 3.0), "len": (lambda r: min(1.0, len(r.turns) / 2), 1.0)}
+    )
     group = [Rollout(["a"]), Rollout(["b", "c"]), Rollout(["a", "c"])]
     assert rater.rate_group(group) == [0.875, 0.25, 1.0]
     rater.mode = "group_relative"
@@ -125,7 +125,7 @@ def test_rater_modes() -> None:
     # (1, .5), (0, 1), (1, 1): the third dominates both others, which do not dominate each other
     assert rater.rate_group(group) == [0.0, 0.0, 1.0]
     with pytest.raises(ValueError):
-        Rater({})
+        Rubric.weighted({})
 
 
 def test_pareto_fronts_match_brute_force() -> None:
@@ -154,7 +154,7 @@ def test_calculator_is_safe_and_exact() -> None:
 
 def test_arithmetic_rater_orders_partial_progress() -> None:
     r = arithmetic_rater()
-    ok = ToolResult("calculator", True, "7")
+    ok = ToolResult("calculator", "7")
     full = Rollout([CALL, "Answer: 7<|im_end|>"], [ok], "7")
     wrong_answer = Rollout([CALL, "Answer: 8"], [ok], "7")
     no_tool = Rollout(["Answer: 7"], [], "7")
