@@ -21,7 +21,6 @@ import contextvars
 import hashlib
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.errors import InvalidArgument
+from server.handlers import HandlerInterceptor, same_kind
 
 audit = logging.getLogger("primerl.audit")
 
@@ -125,7 +125,7 @@ def _bearer(metadata: Any) -> str | None:
     return None
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(HandlerInterceptor):
     """Authenticates each call and runs its handler with ``current_tenant`` set."""
 
     def __init__(self, tenants: dict[str, str], admin_tenants: list[str] | None = None) -> None:
@@ -141,16 +141,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 return tenant
         return None
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(OPEN_SERVICES):
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        method = details.method
+        if method.startswith(OPEN_SERVICES):
             return handler
-        token = _bearer(handler_call_details.invocation_metadata)
+        token = _bearer(details.invocation_metadata)
         tenant = self._tenant_for(token)
         if tenant is None:
             message = "missing bearer token" if not token else "invalid bearer token"
@@ -176,9 +171,7 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodH
             finally:
                 current_tenant.reset(token)
 
-        return grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
+        return same_kind(handler, stream)
     inner_unary: Any = handler.unary_unary
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -188,9 +181,7 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodH
         finally:
             current_tenant.reset(token)
 
-    return grpc.unary_unary_rpc_method_handler(
-        unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
+    return same_kind(handler, unary)
 
 
 def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
@@ -203,11 +194,5 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -
             await context.abort(code, message)
             yield  # pragma: no cover - abort raises
 
-        return grpc.unary_stream_rpc_method_handler(
-            abort_stream,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-    return grpc.unary_unary_rpc_method_handler(
-        abort, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
+        return same_kind(handler, abort_stream)
+    return same_kind(handler, abort)

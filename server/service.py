@@ -29,6 +29,19 @@ log = logging.getLogger("primerl.server")
 
 SERVER_VERSION = "0.1.0"
 ACCEPTED_METADATA = (("primerl-accepted", "1"),)
+# Episode / Turn attributes that a Trajectory / TrajectoryTurn field of the same name carries as is.
+_TRAJECTORY_FIELDS = (
+    "group_id",
+    "model",
+    "token_ids",
+    "logprobs",
+    "loss_mask",
+    "origins",
+    "prompt_length",
+    "metadata",
+    "group_index",
+)
+_TURN_FIELDS = ("observation_start", "generation_start", "end", "policy_version", "latency_ms", "ttft_ms")
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -220,31 +233,18 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             return pb.EndEpisodeResponse()
         traj = pb.Trajectory(
             episode_id=ep.id,
-            group_id=ep.group_id,
-            model=ep.model,
-            token_ids=ep.token_ids,
-            logprobs=ep.logprobs,
-            loss_mask=ep.loss_mask,
-            origins=ep.origins,  # type: ignore[arg-type]
+            **{name: getattr(ep, name) for name in _TRAJECTORY_FIELDS},
             policy_versions=ep.versions,
-            prompt_length=ep.prompt_length,
             rewards=result.rewards,
             turn_rewards=result.turn_rewards,
-            metadata=ep.metadata,
             duration_ms=result.duration_ms,
-            group_index=ep.group_index,
             raw_logprobs=ep.raw_logprobs if any(not math.isnan(x) for x in ep.raw_logprobs) else (),
         )
         for t in ep.turns:
             traj.turns.add(
-                observation_start=t.observation_start,
-                generation_start=t.generation_start,
-                end=t.end,
+                **{name: getattr(t, name) for name in _TURN_FIELDS},
                 finish_reason=int(t.finish_reason or 0),
                 usage=_usage(t),
-                policy_version=t.policy_version,
-                latency_ms=t.latency_ms,
-                ttft_ms=t.ttft_ms,
             )
         return pb.EndEpisodeResponse(trajectory=traj)
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from observability.metrics import BridgeMetrics
 from observability.tracing import Tracing
+from server.handlers import HandlerInterceptor, same_kind
 from server.requestid import HEADER, current_request_id, new_request_id
 
 UNTRACED = ("grpc.health.", "grpc.reflection.")
@@ -78,7 +80,7 @@ def _response_attrs(response: Any) -> dict[str, Any]:
     return attrs
 
 
-class TelemetryInterceptor(grpc.aio.ServerInterceptor):
+class TelemetryInterceptor(HandlerInterceptor):
     def __init__(self, metrics: BridgeMetrics, tracing: Tracing) -> None:
         self.metrics = metrics
         self.tracing = tracing
@@ -86,31 +88,19 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         # the server hands back the same handler for a method each call, so it is wrapped once, not per call.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:  # no client-streaming RPCs are served
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        if handler.request_streaming:  # no client-streaming RPCs are served (reflection's passes as is)
             return handler
-        full = handler_call_details.method
+        full = details.method
         cached = self._wrapped.get(full)
         if cached is not None and cached[0] is handler:
             return cached[1]
         method = _method_label(full)
         if handler.response_streaming:
-            wrapped = grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.unary_stream, self._traced(method)),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            behavior = self._wrap_stream(method, handler.unary_stream, self._traced(method))
         else:
-            wrapped = grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary, self._traced(method)),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            behavior = self._wrap_unary(method, handler.unary_unary, self._traced(method))
+        wrapped = same_kind(handler, behavior)
         self._wrapped[full] = (handler, wrapped)  # one entry per method served (bounded)
         return wrapped
 
@@ -131,6 +121,21 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
             attributes={"rpc.system": "grpc", "rpc.method": method, **_request_attrs(request)},
         )
 
+    def _call(self, method: str, request: Any, context: grpc.aio.ServicerContext, traced: bool) -> _Call:
+        """A call being served: its request id set, its start time and (when traced) its span."""
+        _set_request_id(context)
+        started = time.perf_counter()
+        return _Call(self, method, context, started, self._start_span(method, request, context) if traced else None)
+
+    def _finish(
+        self, method: str, started: float, span: Any, context: grpc.aio.ServicerContext, exc: BaseException | None
+    ) -> None:
+        """Count the call once with its final status, and end its span."""
+        code = _code(context, exc)
+        self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
+        if span is not None:
+            self._end_span(span, code, context)
+
     def _end_span(self, span: Any, code: grpc.StatusCode, context: grpc.aio.ServicerContext) -> None:
         from opentelemetry.trace import Status, StatusCode
 
@@ -141,12 +146,8 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_unary(self, method: str, behavior: Any, traced: bool) -> Any:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            started = time.perf_counter()
-            _set_request_id(context)
-            span = self._start_span(method, request, context) if traced else None
-            exc: BaseException | None = None
-            try:
-                if span is None:
+            with self._call(method, request, context, traced) as call:
+                if (span := call.span) is None:
                     return await behavior(request, context)
                 from opentelemetry.trace import use_span
 
@@ -154,25 +155,13 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
                     response = await behavior(request, context)
                 span.set_attributes(_response_attrs(response))
                 return response
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                code = _code(context, exc)
-                self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
-                if span is not None:
-                    self._end_span(span, code, context)
 
         return handle
 
     def _wrap_stream(self, method: str, behavior: Any, traced: bool) -> Any:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            started = time.perf_counter()
-            _set_request_id(context)
-            span = self._start_span(method, request, context) if traced else None
-            exc: BaseException | None = None
-            try:
-                if span is None:
+            with self._call(method, request, context, traced) as call:
+                if (span := call.span) is None:
                     async for response in behavior(request, context):
                         yield response
                     return
@@ -186,18 +175,27 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
                         if first and getattr(response, "token_ids", None):
                             first = False
                             span.add_event("first_token")
-                            span.set_attribute("primerl.ttft_ms", (time.perf_counter() - started) * 1e3)
+                            span.set_attribute("primerl.ttft_ms", (time.perf_counter() - call.started) * 1e3)
                         span.set_attributes(_response_attrs(response))
                         yield response
                 finally:
                     otel_context.detach(token)
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                code = _code(context, exc)
-                self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
-                if span is not None:
-                    self._end_span(span, code, context)
 
         return handle
+
+
+@dataclass(slots=True)
+class _Call:
+    """One call being served; leaving it counts the call once with its final status and ends its span."""
+
+    interceptor: TelemetryInterceptor
+    method: str
+    context: grpc.aio.ServicerContext
+    started: float
+    span: Any
+
+    def __enter__(self) -> _Call:
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        self.interceptor._finish(self.method, self.started, self.span, self.context, exc)
