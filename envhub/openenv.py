@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -83,89 +83,105 @@ def parse_action(body: Mapping[str, JSON]) -> Action:
     return ToolCall(name=name, arguments=args)
 
 
-def create_app(env: Environment) -> Starlette:
-    """An ASGI app serving ``env`` with the OpenEnv HTTP API."""
-    lock = asyncio.Lock()
+_STATE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "episode_id": {"type": "string"},
+        "step_count": {"type": "integer"},
+        "env_name": {"type": "string"},
+        "task_id": {"type": "string"},
+        "done": {"type": "boolean"},
+        "reward": {"type": "number"},
+    },
+}
+_OBSERVATION_SCHEMA = {
+    "type": "object",
+    "properties": {"messages": {"type": "array", "items": _MESSAGE_SCHEMA}, "tools": {"type": "array"}},
+    "required": ["messages"],
+}
 
-    async def body_of(request: Request) -> dict[str, JSON]:
-        raw = await request.body()
-        if not raw:
-            return {}
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise InvalidArgument(f"body is not JSON: {e.msg}") from e
-        if not isinstance(value, dict):
-            raise InvalidArgument("body must be a JSON object")
-        return value
 
-    def error(e: PrimeRLError) -> JSONResponse:
-        status = 409 if isinstance(e, FailedPrecondition) else 400 if isinstance(e, InvalidArgument) else 500
-        return JSONResponse({"error": e.message, "code": e.code}, status_code=status)
+class _Session:
+    """The served environment instance: requests are serialised by one lock (one episode per server)."""
 
-    async def reset(request: Request) -> JSONResponse:
-        try:
-            body = await body_of(request)
-            seed, task_id = body.get("seed"), body.get("task_id")
-            if seed is not None and not isinstance(seed, int):
-                raise InvalidArgument("seed must be an integer")
-            if task_id is not None and not isinstance(task_id, str):
-                raise InvalidArgument("task_id must be a string")
-            async with lock:
-                res = await env.reset(task_id=task_id, seed=seed)
-        except PrimeRLError as e:
-            return error(e)
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+        self.lock = asyncio.Lock()
+
+    async def reset(self, body: Mapping[str, JSON]) -> dict[str, JSON]:
+        seed, task_id = body.get("seed"), body.get("task_id")
+        if seed is not None and not isinstance(seed, int):
+            raise InvalidArgument("seed must be an integer")
+        if task_id is not None and not isinstance(task_id, str):
+            raise InvalidArgument("task_id must be a string")
+        async with self.lock:
+            res = await self.env.reset(task_id=task_id, seed=seed)
         obs = {
             "messages": _messages_json(res.messages),
             "tools": [t.to_openai() for t in res.tools],
             "task_id": res.task_id,
         }
-        return JSONResponse({"observation": obs, "reward": None, "done": False})
+        return {"observation": obs, "reward": None, "done": False}
 
-    async def step(request: Request) -> JSONResponse:
-        try:
-            action = parse_action(await body_of(request))
-            async with lock:
-                res = await env.step(action)
-        except PrimeRLError as e:
-            return error(e)
+    async def step(self, body: Mapping[str, JSON]) -> dict[str, JSON]:
+        action = parse_action(body)
+        async with self.lock:
+            res = await self.env.step(action)
         obs: dict[str, JSON] = {"messages": _messages_json(res.observation)}
         if res.tool_result is not None:
             obs["is_error"] = res.tool_result.is_error
-        return JSONResponse({"observation": obs, "reward": res.reward, "done": res.done})
+        return {"observation": obs, "reward": res.reward, "done": res.done}
 
-    async def state(_: Request) -> JSONResponse:
-        return JSONResponse(_state_json(env.state()))
+    def state(self) -> dict[str, JSON]:
+        return _state_json(self.env.state())
 
-    async def health(_: Request) -> JSONResponse:
-        return JSONResponse({"status": "healthy"})
+    def schema(self) -> dict[str, JSON]:
+        return {"action": action_schema(self.env.tools()), "observation": _OBSERVATION_SCHEMA, "state": _STATE_SCHEMA}
 
-    async def schema(_: Request) -> JSONResponse:
-        state_schema = {
-            "type": "object",
-            "properties": {
-                "episode_id": {"type": "string"},
-                "step_count": {"type": "integer"},
-                "env_name": {"type": "string"},
-                "task_id": {"type": "string"},
-                "done": {"type": "boolean"},
-                "reward": {"type": "number"},
-            },
-        }
-        observation = {
-            "type": "object",
-            "properties": {"messages": {"type": "array", "items": _MESSAGE_SCHEMA}, "tools": {"type": "array"}},
-            "required": ["messages"],
-        }
-        return JSONResponse({"action": action_schema(env.tools()), "observation": observation, "state": state_schema})
 
+async def _body_of(request: Request) -> dict[str, JSON]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(f"body is not JSON: {e.msg}") from e
+    if not isinstance(value, dict):
+        raise InvalidArgument("body must be a JSON object")
+    return value
+
+
+def _post(path: str, handler: Callable[[Mapping[str, JSON]], Awaitable[dict[str, JSON]]]) -> Route:
+    """A POST endpoint: JSON body in, JSON out; 400 for bad input, 409 for a call out of order."""
+
+    async def endpoint(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(await handler(await _body_of(request)))
+        except PrimeRLError as e:
+            status = 409 if isinstance(e, FailedPrecondition) else 400 if isinstance(e, InvalidArgument) else 500
+            return JSONResponse({"error": e.message, "code": e.code}, status_code=status)
+
+    return Route(path, endpoint, methods=["POST"])
+
+
+def _get(path: str, view: Callable[[], dict[str, JSON]]) -> Route:
+    async def endpoint(_: Request) -> JSONResponse:
+        return JSONResponse(view())
+
+    return Route(path, endpoint, methods=["GET"])
+
+
+def create_app(env: Environment) -> Starlette:
+    """An ASGI app serving ``env`` with the OpenEnv HTTP API."""
+    session = _Session(env)
     return Starlette(
         routes=[
-            Route("/reset", reset, methods=["POST"]),
-            Route("/step", step, methods=["POST"]),
-            Route("/state", state, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/schema", schema, methods=["GET"]),
+            _post("/reset", session.reset),
+            _post("/step", session.step),
+            _get("/state", session.state),
+            _get("/health", lambda: {"status": "healthy"}),
+            _get("/schema", session.schema),
         ]
     )
 
