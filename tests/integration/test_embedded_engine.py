@@ -242,6 +242,36 @@ async def test_seeded_sampling_is_reproducible_and_distributed_as_the_model(embe
     assert p > 0.01, (p, len(big))
 
 
+async def test_min_p_samples_the_filtered_distribution_exactly(embedded: Bridge, reference: Any) -> None:
+    """600 seeded first tokens under min_p = 0.05 at temperature 0.8: only tokens with p >= 0.05 * p_max (after
+    temperature) appear, each with the logprob of the renormalised distribution, at its frequencies."""
+    server, client = embedded
+    prompt = _chat(server, "Say one word.")
+    with torch.inference_mode():
+        tempered = torch.softmax(reference(torch.tensor([prompt])).logits[0, -1].double() / 0.8, -1).numpy()
+    keep = tempered >= 0.05 * tempered.max()
+    probs = np.where(keep, tempered, 0.0) / tempered[keep].sum()
+    assert 1 < keep.sum() < 100
+    counts: dict[int, int] = {}
+    for g in range(3):
+        sampling = {"seed": 77 + 200 * g, "max_tokens": 1, "temperature": 0.8, "min_p": 0.05}
+        started = await client.start_episode(prompt, group_size=200, sampling=sampling)
+        turns = await asyncio.gather(*(client.step(ep) for ep in started.episode_ids))
+        for ep, turn in zip(started.episode_ids, turns, strict=True):
+            token = int(turn.token_ids[0])
+            assert keep[token], token
+            assert turn.logprobs[0] == pytest.approx(np.log(probs[token]), abs=1e-4)
+            counts[token] = counts.get(token, 0) + 1
+            await client.discard_episode(ep)
+    n = sum(counts.values())
+    big = [t for t in np.argsort(-probs) if probs[t] * n >= 5]
+    observed = [counts.get(int(t), 0) for t in big] + [n - sum(counts.get(int(t), 0) for t in big)]
+    expected = [probs[t] * n for t in big] + [n * (1 - probs[big].sum())]
+    keep_bins = [i for i, e in enumerate(expected) if e > 0]
+    _, p = stats.chisquare([observed[i] for i in keep_bins], [expected[i] * n / sum(expected) for i in keep_bins])
+    assert p > 0.01, (p, len(big))
+
+
 async def test_concurrent_episodes_decode_in_batches_with_solo_results(embedded: Bridge) -> None:
     server, client = embedded
     engine = _engine(server)

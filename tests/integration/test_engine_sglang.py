@@ -26,7 +26,15 @@ from engines.errors import (
 )
 from engines.sglang import SglangEngine
 from engines.toy import ToyEngine
-from engines.types import FinishReason, GenerateRequest, ModelFacts, SamplingParams, TokenChunk, WeightUpdate
+from engines.types import (
+    Capability,
+    FinishReason,
+    GenerateRequest,
+    ModelFacts,
+    SamplingParams,
+    TokenChunk,
+    WeightUpdate,
+)
 from rl_client.errors import AbortedError, DeadlineExceededError, UnavailableError
 from tests.integration.engine_script import bridge_over, end_when_idle, run_episode_script
 from tests.standins._common import StandinServer
@@ -451,3 +459,15 @@ async def test_standin_follows_sglang_shapes(standin) -> None:  # type: ignore[n
     ids = [json.loads(e)["output_ids"] for e in events[:-1]]
     assert len(ids) > 1 and all(ids[i] == ids[i + 1][: len(ids[i])] for i in range(len(ids) - 1))  # cumulative
     assert len(ids[-1]) == 7
+
+
+async def test_min_p_reaches_sampling_params_and_the_engine(standin) -> None:  # type: ignore[no-untyped-def]
+    sg, server, toy = standin
+    eng = adapter(server.url, toy)
+    got = await collect(eng, request(seed=4, max_tokens=12, ignore_eos=True, min_p=0.3))
+    assert sg.requests[-1]["sampling_params"]["min_p"] == 0.3
+    want = await collect(toy, request(seed=4, max_tokens=12, ignore_eos=True, min_p=0.3))
+    assert [t for c in got for t in c.token_ids] == [t for c in want for t in c.token_ids]
+    assert [x for c in got for x in c.logprobs] == pytest.approx([x for c in want for x in c.logprobs], abs=1e-12)
+    assert not eng.info.capabilities >= {Capability.RAW_LOGPROBS}  # refused by the bridge (check_capabilities)
+    await eng.close()

@@ -172,3 +172,19 @@ async def test_request_timeout_bounds_a_whole_turn_and_a_silent_engine(standin) 
     with pytest.raises(DeadlineExceeded, match=r"did not start answering|sent nothing"):
         await collect(eng, request(max_tokens=2))
     await eng.close()
+
+
+async def test_min_p_reaches_the_payload_and_raw_logprobs_are_refused(standin) -> None:  # type: ignore[no-untyped-def]
+    trt, server, toy = standin
+    eng = adapter(server.url, toy)
+    got = await collect(eng, request(seed=4, max_tokens=12, ignore_eos=True, min_p=0.3))
+    assert trt.requests[-1]["min_p"] == 0.3
+    want = await collect(toy, request(seed=4, max_tokens=12, ignore_eos=True, min_p=0.3))
+    assert [t for c in got for t in c.token_ids] == [t for c in want for t in c.token_ids]
+    assert [x for c in got for x in c.logprobs] == pytest.approx([x for c in want for x in c.logprobs], abs=1e-12)
+    async with bridge_over([eng]) as (_, client):
+        with pytest.raises(UnimplementedError, match=r"engine 'trtllm' .* sampling.raw_logprobs .*'raw_logprobs'"):
+            await client.start_episode(list(PROMPT), sampling={"raw_logprobs": True})
+        ep = (await client.start_episode(list(PROMPT), sampling={"max_tokens": 4})).episode_id
+        with pytest.raises(UnimplementedError, match="raw_logprobs"):
+            await client.step(ep, sampling={"raw_logprobs": True})

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from engines import make_engines
@@ -152,6 +153,40 @@ async def test_logprobs_agree_with_teacher_forcing(vllm_url: str, model_dir: Pat
     report = {"tokens": len(deltas), "max_abs_delta": max(deltas), "mean_abs_delta": statistics.fmean(deltas)}
     print(f"\ntrainer/engine agreement (5 prompts x 64 sampled tokens, fp32): {json.dumps(report)}")
     assert report["max_abs_delta"] <= 1e-3
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+async def test_min_p_reaches_vllm_and_filters_the_sampled_distribution(vllm_url: str, model_dir: Path) -> None:
+    """``min_p`` is sent as vLLM's ``min_p``, and vLLM samples under it: every sampled token has
+    p >= min_p * p_max, and its (processed) logprob is that of the min-p-renormalised distribution."""
+    import torch
+
+    from engines.model_store import load_model_and_tokenizer
+
+    engine = await vllm_engine(vllm_url)
+    assert engine.tokenizer is not None
+    prompt = tuple(engine.tokenizer.render_prompt([Message("user", "Write one sentence about the sea.")]))
+    params = SamplingParams(temperature=1.0, min_p=0.2, max_tokens=48, seed=7, ignore_eos=True)
+    request = GenerateRequest("minp", prompt, params, cache_salt=f"minp-{uuid.uuid4().hex}")
+    assert engine.build_payload(request, "s")["min_p"] == 0.2
+    chunks = await collect(engine, request)
+    await engine.close()
+    out = ids_of(chunks)
+    assert len(out) == 48
+
+    model, _ = await asyncio.to_thread(load_model_and_tokenizer, model_dir)
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(prompt) + out])).logits[0, len(prompt) - 1 : -1].double()
+    probs = torch.softmax(logits, -1)
+    ratio = probs.gather(1, torch.tensor(out)[:, None])[:, 0] / probs.max(-1).values
+    kept = torch.where(probs >= 0.2 * probs.max(-1, keepdim=True).values, probs, 0.0)
+    filtered = torch.log(kept / kept.sum(-1, keepdim=True)).gather(1, torch.tensor(out)[:, None])[:, 0]
+    plain = torch.log(probs).gather(1, torch.tensor(out)[:, None])[:, 0]
+    assert (ratio >= 0.2 - 1e-3).all(), ratio.min()  # nothing below the cut was sampled
+    np.testing.assert_allclose(logprobs_of(chunks), filtered.numpy(), atol=1e-3, rtol=0)
+    assert (filtered - plain > 1e-3).any()  # the cut really removed mass somewhere (else this proves nothing)
 
 
 def perturbed_checkpoint(src: Path, dst: Path) -> Path:
