@@ -159,14 +159,7 @@ class CodeSandbox:
             return f"{self.config.bwrap_path} is not installed"
         fd = self._seccomp_fd()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._bwrap_argv(["/usr/bin/true"], fd),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
-                pass_fds=() if fd is None else (fd,),
-                start_new_session=True,
-            )
+            proc = await _spawn(self._bwrap_argv(["/usr/bin/true"], fd), fd, probe=True)
         except OSError as e:  # FileNotFoundError: no setpriv (root hubs) or bwrap vanished
             return f"cannot start the isolation probe: {e}"
         finally:
@@ -211,16 +204,7 @@ class CodeSandbox:
                 env = {"PATH": "/usr/bin", "HOME": cwd or "/", "LANG": "C.UTF-8"}  # nothing of the hub's env
                 t0 = time.monotonic()
                 try:
-                    proc = await asyncio.create_subprocess_exec(
-                        *argv,
-                        stdin=asyncio.subprocess.PIPE,
-                        stdout=asyncio.subprocess.PIPE,
-                        stderr=asyncio.subprocess.PIPE,
-                        cwd=cwd,
-                        env=env,
-                        start_new_session=True,
-                        pass_fds=() if fd is None else (fd,),
-                    )
+                    proc = await _spawn(argv, fd, probe=False, cwd=cwd, env=env)
                 except OSError as e:  # the interpreter (isolation none) or setpriv/bwrap is missing
                     raise ToolError(f"the code sandbox cannot start: {e}", kind="unavailable") from e
             finally:
@@ -275,6 +259,24 @@ class CodeSandbox:
             output_capped=capped.is_set(),
             elapsed_s=time.monotonic() - t0,
         )
+
+
+async def _spawn(
+    argv: list[str], seccomp_fd: int | None, *, probe: bool, cwd: str | None = None, env: dict[str, str] | None = None
+) -> asyncio.subprocess.Process:
+    """Start ``argv`` as the leader of its own process group (so a kill reaches everything it started), handing
+    it the seccomp filter's fd; a probe's stdin/stdout are discarded, a run's piped. stderr is always piped."""
+    io = asyncio.subprocess.DEVNULL if probe else asyncio.subprocess.PIPE
+    return await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=io,
+        stdout=io,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        pass_fds=() if seccomp_fd is None else (seccomp_fd,),
+    )
 
 
 async def _reap(proc: asyncio.subprocess.Process) -> None:
