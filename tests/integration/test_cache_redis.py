@@ -261,7 +261,7 @@ async def test_load_board_shares_in_flight_load_and_fails_open(
     await bb.sync_once()
     await ba.sync_once()
     assert pa.replicas.remote == [0, 700, 0] and pb.replicas.remote == [5000, 0, 0]
-    assert pb.view() == [5000, 700, 0]
+    assert pb.replicas.view() == [5000, 700, 0]
     # Bridge B now sees replica 0 as busy although it routed nothing there itself.
     assert (await pb.choose(req("x", list(range(8)), first=True))).replica == 2
     redis_server.kill()  # Redis gone: each bridge routes on its own load only
