@@ -147,6 +147,7 @@ def test_the_dashboard_covers_the_required_views() -> None:
         "primerl_kv_bytes",  # KV bytes
         "primerl_speculation_accepted_tokens_total",  # speculation acceptance
         "primerl_rpc_handled_total",  # errors
+        "primerl_routing_decisions_total",  # routing decisions by reason
     }
     assert required <= queried
     exprs = " ".join(e for _, e in dashboard_exprs())
