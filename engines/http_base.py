@@ -2,7 +2,9 @@
 
 One ``RemoteEngine`` is one engine replica behind one base URL. Subclasses only say how a
 request is written and how one stream event is read; this module owns the connection pool,
-timeouts, retries, SSE framing, error mapping and the assembly of ``TokenChunk``s.
+timeouts, admission around weight updates and the assembly of ``TokenChunk``s. Connect retries, URL
+redaction and the HTTP -> error map are ``engines.http_edge``; stream state and opening a stream are
+``engines.http_stream``.
 
 Invariants
 ----------
@@ -10,14 +12,9 @@ Invariants
   (``control_timeout_s``), weight loads (``weight_update_timeout_s``); a generation stream
   may be silent for at most ``engine.request_timeout_s``, and its waits on the engine end at
   the turn's deadline, the same bound. The RPC deadline, usually shorter, is the bridge's.
-* Retries happen only at the network edge and only when no connection could be opened (so
-  nothing was sent): bounded by ``connect_retries`` attempts *and* ``retry_budget_s``. A
-  generation request that reached the engine is never sent twice.
-* Errors are ``engines.errors`` classes naming the engine and replica: unreachable / 5xx /
-  dropped stream -> ``EngineUnavailable``; a payload that breaks the documented wire format
-  -> ``EngineProtocolError`` naming the field; 400/422 -> ``InvalidArgument`` (or
-  ``TokenOutOfVocabulary`` when the engine names an out-of-vocabulary id); silence beyond
-  the read timeout -> ``DeadlineExceeded``; a missing endpoint -> ``Unimplemented``.
+* Retries and the error map: ``engines.http_edge``. A dropped stream -> ``EngineUnavailable``, a
+  payload that breaks the documented wire format -> ``EngineProtocolError`` naming the field,
+  silence beyond the read timeout -> ``DeadlineExceeded``.
 * Payloads are read through ``engines.wire.Wire``: every engine's -inf encoding becomes
   ``-inf``, and a field that breaks the wire format is named in the error.
 * A stream is parsed one SSE event at a time; tokens are yielded as they arrive, and the
@@ -32,7 +29,6 @@ Invariants
 * A whole turn lasts at most ``engine.request_timeout_s`` (``asyncio.timeout`` around the
   stream, so keep-alive comments cannot extend it); an ``abort`` that arrives before the
   response headers closes the stream as soon as it opens.
-* Replica labels (in every error and log line) never carry URL userinfo, query or fragment.
 * A turn with a drafter goes to ``generate_speculative`` when the adapter ``speculates`` on it (vLLM,
   greedy turns); it runs inside the same admission, deadline, abort and error mapping as a plain turn.
 """
@@ -41,17 +37,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import re
-import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
 
+from engines import http_edge
 from engines.base import Tokenizer
 from engines.config import RemoteEngineConfig
 from engines.errors import (
@@ -60,9 +54,10 @@ from engines.errors import (
     EngineUnavailable,
     InvalidArgument,
     PrimeRLError,
-    TokenOutOfVocabulary,
     Unimplemented,
 )
+from engines.http_edge import redact_url
+from engines.http_stream import STREAM_FAILURES, Delta, StreamContext, StreamState
 from engines.salt import CacheSalt
 from engines.types import (
     Capability,
@@ -76,55 +71,12 @@ from engines.types import (
     Usage,
     WeightUpdate,
 )
-from engines.wire import Wire, error_message, iter_sse, parse_prometheus
+from engines.wire import Wire, iter_sse, parse_prometheus
 
 log = logging.getLogger("primerl.engines")
-# What a dropped or silent engine stream raises while we read it (see RemoteEngine._raise_stream_failure).
-STREAM_FAILURES = (httpx.StreamError, httpx.ReadError, httpx.RemoteProtocolError, httpx.TimeoutException)
-
-_OOV = re.compile(r"out of vocabulary|out-of-vocabulary|outside the vocabulary|invalid token id", re.IGNORECASE)
-_TOO_LONG = re.compile(r"context length|maximum model length|max_model_len|too long|exceeds", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """``url`` without userinfo, query and fragment: safe for labels, errors and logs."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        host = parts.hostname or ""
-        port = parts.port
-    except ValueError:
-        return "<invalid url>"
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    netloc = f"{host}:{port}" if port is not None else host
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
 # ---------------------------------------------------------------------------------------------
 # The remote engine
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class StreamState:
-    """Per-request parsing state (cumulative streams need what was seen before)."""
-
-    request: GenerateRequest
-    seen_tokens: int = 0
-    aborted: bool = False
-    admitted: bool = False
-    response: httpx.Response | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class Delta:
-    """What one stream event adds: new tokens, and maybe the finish reason and/or usage."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish: FinishReason | None = None
-    usage: Usage | None = None
 
 
 class RemoteEngine:
@@ -261,7 +213,7 @@ class RemoteEngine:
                     return
                 data = self.wire.loads(text, "stream event")
                 if isinstance(data, dict) and data.get("error"):
-                    raise self.stream_error(data["error"], produced())
+                    raise http_edge.stream_error(self.label, self._info, data["error"], produced())
                 delta = self.parse_event(data, state)
                 if delta is not None:
                     yield delta
@@ -318,52 +270,10 @@ class RemoteEngine:
         return response
 
     async def connect(self, send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
-        """``send()``, retried with exponential backoff while the engine refuses connections (at most
-        ``connect_retries`` times within ``retry_budget_s``); other httpx errors propagate to the caller."""
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.config.retry_budget_s
-        delay = self.config.retry_backoff_s
-        attempt = 0
-        while True:
-            try:
-                return await send()
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                attempt += 1
-                if attempt > self.config.connect_retries or loop.time() + delay > give_up_at:
-                    raise self.unreachable(exc) from None
-                await asyncio.sleep(delay)
-                delay *= 2
-
-    def unreachable(self, exc: Exception) -> EngineUnavailable:
-        reason = str(exc) or type(exc).__name__
-        return EngineUnavailable(f"{self.label} is not reachable: {reason}")
+        return await http_edge.connect(send, self.config, self.label)
 
     def http_error(self, status: int, body: str, what: str) -> PrimeRLError:
-        msg = error_message(body) or "(empty body)"
-        if status in (400, 422):
-            if _OOV.search(msg):
-                return TokenOutOfVocabulary(
-                    f"{self.label} rejected a token id (vocabulary size {self._info.vocab_size}): {msg}"
-                )
-            if _TOO_LONG.search(msg):
-                return InvalidArgument(
-                    f"{self.label} rejected the request as too long for its context window of "
-                    f"{self._info.max_model_len} tokens: {msg}"
-                )
-            return InvalidArgument(f"{self.label} rejected {what} (HTTP {status}): {msg}")
-        if status in (404, 405, 501):
-            return Unimplemented(f"{self.label} does not support {what} (HTTP {status}): {msg}")
-        if status in (408, 504):
-            return DeadlineExceeded(f"{self.label} timed out on {what} (HTTP {status}): {msg}")
-        return EngineUnavailable(f"{self.label} failed on {what} (HTTP {status}): {msg}")
-
-    def stream_error(self, error: Any, produced: int) -> PrimeRLError:
-        """An ``{"error": ...}`` event inside a stream (vLLM, SGLang, TRT-LLM all send one)."""
-        body = json.dumps({"error": error})
-        code = error.get("code") if isinstance(error, dict) else None
-        status = code if isinstance(code, int) and 400 <= code < 600 else 500
-        exc = self.http_error(status, body, f"the stream after {produced} tokens")
-        return exc
+        return http_edge.http_error(self.label, self._info, status, body, what)
 
     async def get_json(self, path: str) -> Any:
         response = await self.request("GET", path)
@@ -396,7 +306,7 @@ class RemoteEngine:
         if not self.config.max_model_len and max_len:
             changes["max_model_len"] = max_len
         if changes:
-            self._info = _replace_info(self._info, **changes)
+            self._info = replace(self._info, **changes)
         self._start_problem = ""
 
     async def health(self) -> EngineHealth:
@@ -575,8 +485,8 @@ class RemoteEngine:
         key = f"errors_{code.lower()}"  # e.g. errors_unavailable, exported as primerl_engine_stat
         self.counters.extra[key] = self.counters.extra.get(key, 0) + 1
 
-    def _open_stream(self, payload: dict[str, Any], deadline: float | None = None) -> _StreamContext:
-        return _StreamContext(self, payload, deadline)
+    def _open_stream(self, payload: dict[str, Any], deadline: float | None = None) -> StreamContext:
+        return StreamContext(self, payload, deadline)
 
     def _count(self, usage: Usage) -> None:
         c = self.counters
@@ -584,52 +494,3 @@ class RemoteEngine:
         c.cached_tokens += usage.cached_tokens
         c.prefill_tokens += max(usage.prompt_tokens - usage.cached_tokens, 0)
         c.generated_tokens += usage.generated_tokens
-
-
-class _StreamContext:
-    """``async with``: open the generation stream (with connect retries) and check its status."""
-
-    def __init__(self, engine: RemoteEngine, payload: dict[str, Any], deadline: float | None = None) -> None:
-        self.engine = engine
-        self.payload = payload
-        self.deadline = deadline
-        self.response: httpx.Response | None = None
-
-    async def __aenter__(self) -> httpx.Response:
-        async with asyncio.timeout_at(self.deadline):  # TimeoutError: the turn's deadline passed
-            return await self._open()
-
-    async def _open(self) -> httpx.Response:
-        e = self.engine
-
-        def send() -> Awaitable[httpx.Response]:
-            request = e._client.build_request("POST", e.generate_path, json=self.payload, timeout=e._stream_timeout)
-            return e._client.send(request, stream=True)
-
-        try:
-            self.response = response = await e.connect(send)
-        except httpx.TimeoutException:
-            raise DeadlineExceeded(f"{e.label} did not start answering within {e._stream_timeout.read} s") from None
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"{e.label} failed before streaming: {exc or type(exc).__name__}") from None
-        if response.status_code != 200:
-            try:
-                body = (await response.aread()).decode("utf-8", "replace")
-            except httpx.HTTPError:
-                body = ""
-            finally:
-                await response.aclose()
-            raise e.http_error(response.status_code, body, f"POST {e.generate_path}")
-        return response
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self.response is not None:
-            # Closing an unfinished stream drops the connection: that is how vLLM and TRT-LLM
-            # learn that the client went away and abort the request.
-            await self.response.aclose()
-
-
-def _replace_info(info: EngineInfo, **changes: Any) -> EngineInfo:
-    from dataclasses import replace
-
-    return replace(info, **changes)
