@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engines.types import EngineInfo
 from observability.metrics import BridgeMetrics
 from server.config import AdmissionConfig
@@ -49,10 +51,13 @@ class Admission:
         else:
             del self.inflight[tenant]
 
-    def check_fresh(self, episode: Episode, current: int) -> None:
-        """Refuse a Step on an episode more than ``max_staleness`` versions behind ``current``."""
+    def check_fresh(self, episode: Episode, version: Callable[[], int]) -> None:
+        """Refuse a Step on an episode more than ``max_staleness`` versions behind the current ``version()``."""
         bound = self.config.max_staleness
-        if bound and current - episode.start_version > bound:
+        if not bound:
+            return
+        current = version()
+        if current - episode.start_version > bound:
             self.metrics.staleness_rejections.labels(self.info.model).inc()
             raise FailedPrecondition(
                 f"episode {episode.id!r} started at policy version {episode.start_version}, "

@@ -32,8 +32,7 @@ from engines.salt import CacheSalt
 from engines.types import Message, Origin, SamplingParams, check_capabilities, check_token_ids
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
-from placement.policies import RouteRequest, RoutingConfig
-from placement.routing import Router
+from placement.routing import Router, RouteRequest, RoutingConfig
 from server.admission import Admission
 from server.calls import EndRequest, EndResult, StartRequest, StartResult, StepRequest
 from server.config import AdmissionConfig, SamplingDefaults
@@ -300,7 +299,7 @@ class Bridge:
         episode = self.store.get(req.episode_id, req.tenant)
         if episode.busy:
             raise EpisodeBusy(f"episode {episode.id!r} already has a Step in progress; wait for it to finish")
-        self.admit.check_fresh(episode, self.policy_version)
+        self.admit.check_fresh(episode, lambda: self.weights.version)
         params = req.sampling.apply(episode.sampling)
         self._check_sampling(params)
         session = self._envs.get(episode.id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import uuid
+import os
 
 HEADER = "x-request-id"
 MAX_LENGTH = 128  # a client's id is used as given up to this length (engines log it; keep lines sane)
@@ -23,12 +23,12 @@ def new_request_id(sent: str = "") -> str:
     """The client's id when it sent a usable one, else a fresh one."""
     if sent and len(sent) <= MAX_LENGTH and sent.isprintable():
         return sent
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # 128 random bits, as uuid4 has, at a third of its cost
 
 
 def engine_request_id(turn_index: int) -> str:
     """The id of one engine request: the RPC's id and the turn (an env Step runs several turns)."""
-    rid = current_request_id.get() or uuid.uuid4().hex  # "" outside an RPC (tests driving the bridge directly)
+    rid = current_request_id.get() or os.urandom(16).hex()  # "" outside an RPC (tests driving the bridge directly)
     return f"{rid}-{turn_index}"
 
 

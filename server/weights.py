@@ -28,6 +28,9 @@ class Weights:
 
     @property
     def version(self) -> int:
+        """The newest version any replica serves (a replica whose update failed is out of rotation)."""
+        if len(self.engines) == 1:  # the common case, on every Step: no generator
+            return self.engines[0].policy_version
         return max(e.policy_version for e in self.engines)
 
     def _check(self, version: int) -> None:
