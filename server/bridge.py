@@ -18,7 +18,6 @@ always calls ``handle.close()``.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import time
@@ -88,7 +87,6 @@ class Bridge:
         self.speculation = self._speculation(speculation)
         self.turns = Turns(self.engines, self.router, self.metrics, self.speculation, admission.max_tokens_per_episode)
         self.weights = Weights(self.engines, self.mark_replica)
-        self._group_ids = itertools.count()
         self.envhub = envhub or EnvHubConfig()
         self._envs: dict[str, EnvSession] = {}  # episode id -> its environment (episodes started with env)
         self.journal = journal  # episode persistence (None: episodes live in this process only)
