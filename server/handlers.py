@@ -16,7 +16,7 @@ import grpc
 def same_kind(handler: grpc.RpcMethodHandler, behavior: Any) -> grpc.RpcMethodHandler:
     """A handler like ``handler`` (kind, serializers) that runs ``behavior``."""
     make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
-    return make(  # type: ignore[no-any-return]
+    return make(
         behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
     )
 

@@ -18,7 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
@@ -52,7 +52,7 @@ class StepHandle:
     opened_turns: int = 0  # how many turns the episode had when the Step was accepted
     closed: bool = False
 
-    async def updates(self) -> AsyncIterator[StepUpdate]:
+    async def updates(self) -> AsyncGenerator[StepUpdate, None]:
         """The tokens as they are appended to the episode; the last update has ``turn`` and ``last``."""
         final: StepUpdate | None = None
         if self.session is not None:
@@ -81,7 +81,7 @@ class StepHandle:
             self.turns.close(self.turn, FinishReason.ABORT, None)
         await self.release(self)
 
-    async def _env_turns(self, session: EnvSession) -> AsyncIterator[StepUpdate]:
+    async def _env_turns(self, session: EnvSession) -> AsyncGenerator[StepUpdate, None]:
         """Sample turns and run their tool calls until the environment's loop stops or a bound is hit."""
         episode, tokenizer = self.episode, self.tokenizer
         assert tokenizer is not None  # checked at StartEpisode

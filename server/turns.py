@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -98,7 +98,7 @@ class Turns:
 
     async def generate(
         self, episode: Episode, turn: Turn, params: SamplingParams, deadline: float | None, grammar: Any = None
-    ) -> AsyncIterator[StepUpdate]:
+    ) -> AsyncGenerator[StepUpdate, None]:
         """Stream one turn from the episode's replica; the last update carries the closed ``turn``."""
         engine = self.engines[episode.replica]
         request = self._request(episode, turn, params, grammar)
