@@ -25,6 +25,7 @@ from engines.config import ToyConfig
 from engines.sampling import raw_logprob, sample, unfiltered, verify
 from engines.types import (
     Capability,
+    Drafter,
     EngineCounters,
     EngineHealth,
     EngineInfo,
@@ -32,6 +33,7 @@ from engines.types import (
     GenerateRequest,
     Message,
     Origin,
+    SamplingParams,
     TokenChunk,
     Usage,
     WeightUpdate,
@@ -151,6 +153,35 @@ class ToyEngine:
             token -= 1
         return token, math.log(weights[token] / total)
 
+    def _forward(
+        self,
+        history: list[int],
+        params: SamplingParams,
+        rng: np.random.Generator,
+        drafter: Drafter | None,
+        room: int,
+        plain: bool,
+    ) -> tuple[list[np.ndarray], list[tuple[int, float, Origin]]]:
+        """One target "forward": a verified draft (its logit rows and emitted tokens), or one sampled token."""
+        draft = drafter.draft(history, room) if drafter is not None else ()
+        if draft:
+            assert drafter is not None
+            # One target "forward" scores every draft position (plus the bonus position).
+            rows = [self.logits([*history, *draft[:i]]) for i in range(len(draft) + 1)]
+            emitted = verify(rows, draft, params, rng)
+            accepted = sum(o == Origin.DRAFT_ACCEPTED for _, _, o in emitted)
+            drafter.feedback(len(draft), accepted)
+            extra = self.counters.extra
+            extra["spec_drafted"] = extra.get("spec_drafted", 0) + len(draft)
+            extra["spec_accepted"] = extra.get("spec_accepted", 0) + accepted
+            return rows, emitted
+        if plain:
+            token, logprob = self._sample_plain(history, rng)
+            return [], [(token, logprob, Origin.SAMPLED)]
+        logits = self.logits(history)
+        token, logprob = sample(logits, params, rng)
+        return [logits], [(token, logprob, Origin.SAMPLED)]
+
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         params = request.params
         rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
@@ -179,24 +210,8 @@ class ToyEngine:
                     break
                 if self.config.token_delay_s:
                     await asyncio.sleep(self.config.token_delay_s)
-                draft = drafter.draft(history, budget - produced - 1) if drafter is not None else ()
-                if draft:
-                    # One target "forward" scores every draft position (plus the bonus position).
-                    rows = [self.logits([*history, *draft[:i]]) for i in range(len(draft) + 1)]
-                    emitted = verify(rows, draft, params, rng)
-                    accepted = sum(o == Origin.DRAFT_ACCEPTED for _, _, o in emitted)
-                    drafter.feedback(len(draft), accepted)  # type: ignore[union-attr]
-                    extra = self.counters.extra
-                    extra["spec_drafted"] = extra.get("spec_drafted", 0) + len(draft)
-                    extra["spec_accepted"] = extra.get("spec_accepted", 0) + accepted
-                    saved += len(emitted) - 1
-                elif plain:
-                    token, logprob = self._sample_plain(history, rng)
-                    rows, emitted = [], [(token, logprob, Origin.SAMPLED)]
-                else:
-                    logits = self.logits(history)
-                    token, logprob = sample(logits, params, rng)
-                    rows, emitted = [logits], [(token, logprob, Origin.SAMPLED)]
+                rows, emitted = self._forward(history, params, rng, drafter, budget - produced - 1, plain)
+                saved += len(emitted) - 1
                 stopped = False
                 for i, (token, logprob, origin) in enumerate(emitted):
                     if params.raw_logprobs:

@@ -69,6 +69,7 @@ from engines.http_base import StreamState
 from engines.openai_compat import OpenAICompletionsEngine
 from engines.types import (
     Capability,
+    Drafter,
     FinishReason,
     GenerateRequest,
     Origin,
@@ -106,6 +107,53 @@ def check_weight_dir(path: str) -> Path:
     if not any(d.glob("*.safetensors")):
         raise InvalidArgument(f"checkpoint_path {path!r} has no *.safetensors weights")
     return d
+
+
+@dataclasses.dataclass(slots=True)
+class _SpecTurn:
+    """What a speculative turn has emitted; stop ids, EOS and ``max_tokens`` are applied here to every token
+    (accepted draft tokens are prompt tokens to vLLM, so its own stop checks never see them)."""
+
+    history: list[int]
+    stops: frozenset[int]
+    max_tokens: int
+    version: int
+    produced: int = 0
+    finish: FinishReason | None = None
+    tail: TokenChunk | None = None  # the tokens that came with the finish
+
+    def budget(self) -> int:
+        """Longest useful draft: the last token of the turn is always the model's."""
+        return self.max_tokens - self.produced - 1
+
+    def draft(self, drafter: Drafter) -> tuple[int, ...]:
+        return tuple(drafter.draft(self.history, self.budget()))[: max(self.budget(), 0)]
+
+    def empty(self) -> TokenChunk:
+        return TokenChunk((), (), self.version)
+
+    def take(
+        self, ids: list[int], logprobs: list[float], origins: list[Origin], engine_finish: FinishReason | None
+    ) -> TokenChunk:
+        """Append emitted tokens up to a stop id or ``max_tokens``; return a chunk of those kept."""
+        kept = 0
+        for tok in ids:
+            kept += 1
+            self.history.append(tok)
+            self.produced += 1
+            if tok in self.stops:
+                self.finish = FinishReason.STOP
+            elif self.produced >= self.max_tokens:
+                self.finish = FinishReason.LENGTH
+            if self.finish is not None:
+                break
+        if self.finish is None and engine_finish is not None and kept == len(ids):
+            self.finish = engine_finish  # a stop vLLM applies that this adapter does not know of
+        shown = tuple(origins[:kept]) if any(o != Origin.SAMPLED for o in origins[:kept]) else ()
+        chunk = TokenChunk(tuple(ids[:kept]), tuple(logprobs[:kept]), self.version, shown)
+        if self.finish is not None:
+            self.tail = chunk
+        return chunk
 
 
 class VllmEngine(OpenAICompletionsEngine):
@@ -191,54 +239,24 @@ class VllmEngine(OpenAICompletionsEngine):
         p = request.params
         salt = self._salt(request, version)
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.info.eos_token_ids))
-        history = list(request.token_ids)
+        turn = _SpecTurn(list(request.token_ids), frozenset(stops), p.max_tokens, version)
         extra = self.counters.extra
-        produced = 0
         cached = -1  # cached prompt tokens, as reported for the turn's first request
-        finish: FinishReason | None = None
-        tail = TokenChunk((), (), version)  # the tokens that came with the finish
         draft: tuple[int, ...] = ()
         step = 0
 
         def bump(key: str, n: int = 1) -> None:
             extra[key] = extra.get(key, 0) + n
 
-        def take(
-            ids: list[int], logprobs: list[float], origins: list[Origin], engine_finish: FinishReason | None
-        ) -> TokenChunk:
-            """Append emitted tokens up to a stop id or ``max_tokens``; return a chunk of those kept."""
-            nonlocal produced, finish, tail
-            kept = 0
-            for tok in ids:
-                kept += 1
-                history.append(tok)
-                produced += 1
-                if tok in stops:
-                    finish = FinishReason.STOP
-                elif produced >= p.max_tokens:
-                    finish = FinishReason.LENGTH
-                if finish is not None:
-                    break
-            if finish is None and engine_finish is not None and kept == len(ids):
-                finish = engine_finish  # a stop vLLM applies that this adapter does not know of
-            shown = tuple(origins[:kept]) if any(o != Origin.SAMPLED for o in origins[:kept]) else ()
-            chunk = TokenChunk(tuple(ids[:kept]), tuple(logprobs[:kept]), version, shown)
-            if finish is not None:
-                tail = chunk
-            return chunk
-
-        def budget() -> int:  # longest useful draft: the last token of the turn is always the model's
-            return p.max_tokens - produced - 1
-
         try:
-            while finish is None and not state.aborted:
+            while turn.finish is None and not state.aborted:
                 if not draft:
-                    draft = tuple(drafter.draft(history, budget()))[: max(budget(), 0)]
+                    draft = turn.draft(drafter)
                 step += 1
                 if draft:
                     check_token_ids(draft, self.info.vocab_size, "draft")
                     bump("spec_requests")
-                    verified = await self._verify(request, history, draft, salt, step, state, deadline)
+                    verified = await self._verify(request, turn.history, draft, salt, step, state, deadline)
                     if verified is None:  # aborted while in flight
                         break
                     ids, lps, origins, engine_finish, got_cached = verified
@@ -249,13 +267,14 @@ class VllmEngine(OpenAICompletionsEngine):
                     bump("spec_drafted", len(draft))
                     bump("spec_accepted", accepted)
                     draft = ()
-                    chunk = take(ids, lps, origins, engine_finish)
-                    if finish is None and chunk.token_ids:
+                    chunk = turn.take(ids, lps, origins, engine_finish)
+                    if turn.finish is None and chunk.token_ids:
                         yield chunk
                     continue
                 # A plain streamed stretch, dropped as soon as the drafter has a draft again.
+                budget = turn.budget() + 1
                 sub = GenerateRequest(
-                    f"{request.request_id}-p{step}", tuple(history), dataclasses.replace(p, max_tokens=budget() + 1)
+                    f"{request.request_id}-p{step}", tuple(turn.history), dataclasses.replace(p, max_tokens=budget)
                 )
                 bump("spec_requests")
                 bump("spec_plain_requests")
@@ -263,27 +282,30 @@ class VllmEngine(OpenAICompletionsEngine):
                     state.response = response
                     try:
                         async with contextlib.aclosing(
-                            self.read_deltas(response, deadline, state, lambda: produced)
+                            self.read_deltas(response, deadline, state, lambda: turn.produced)
                         ) as deltas:
                             async for delta in deltas:
                                 if delta.usage is not None and cached < 0:
                                     cached = delta.usage.cached_tokens
                                 n = len(delta.token_ids)
-                                chunk = take(delta.token_ids, delta.logprobs, [Origin.SAMPLED] * n, delta.finish)
-                                if finish is None and chunk.token_ids:
+                                chunk = turn.take(delta.token_ids, delta.logprobs, [Origin.SAMPLED] * n, delta.finish)
+                                if turn.finish is None and chunk.token_ids:
                                     yield chunk
-                                    draft = tuple(drafter.draft(history, budget()))[: max(budget(), 0)]
-                                if finish is not None or draft or state.aborted:
+                                    draft = turn.draft(drafter)
+                                if turn.finish is not None or draft or state.aborted:
                                     break
                     finally:
                         state.response = None  # leaving the block closes it: vLLM aborts the rest
-                if finish is None and not draft and not state.aborted:
+                if turn.finish is None and not draft and not state.aborted:
                     raise EngineProtocolError(f"{self.label} ended the stream without a finish reason")
         finally:
             state.response = None
-        if finish is None:  # aborted
-            finish, tail = FinishReason.ABORT, TokenChunk((), (), version)
-        usage = Usage(prompt_tokens=len(request.token_ids), cached_tokens=max(cached, 0), generated_tokens=produced)
+        finish, tail = FinishReason.ABORT, turn.empty()  # aborted, unless the turn finished
+        if turn.finish is not None and turn.tail is not None:
+            finish, tail = turn.finish, turn.tail
+        usage = Usage(
+            prompt_tokens=len(request.token_ids), cached_tokens=max(cached, 0), generated_tokens=turn.produced
+        )
         self._count(usage)
         yield dataclasses.replace(tail, finish_reason=finish, usage=usage)
 
