@@ -4,7 +4,7 @@ A toy bridge with two replicas, a private Redis for its prefix index, speculatio
 staleness bound is driven through the scenarios an operator watches for: speculative tool-call
 turns, each routing reason of the cache-aware policy (new episode, sticky turn, prefix-cache hit,
 GRPO group, shed from a hot replica, Redis down), a stale episode refused, admission refusing work,
-a turn past its deadline, and Redis killed. Then ``/metrics`` is scraped over HTTP and every series
+a replica failing a turn, and Redis killed. Then ``/metrics`` is scraped over HTTP and every series
 named in ``k8s/HelmChart/dashboards/grafana.json`` and in every expression of
 ``k8s/HelmChart/files/alerts.yml`` must have at least one sample that its label matchers select.
 Three more toy bridges (round_robin, consistent_hash, and cache_aware without an index) produce
@@ -32,11 +32,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.config import ToyConfig
+from engines.errors import EngineUnavailable
 from engines.kvcache import KVStore
 from engines.toy import ToyEngine
 from engines.types import EngineCounters, GenerateRequest, TokenChunk
 from rl_client import AsyncBridgeClient
-from rl_client.errors import DeadlineExceededError, FailedPreconditionError, ResourceExhaustedError
+from rl_client.errors import FailedPreconditionError, ResourceExhaustedError, UnavailableError
 from server.app import BridgeServer, create_server
 from server.config import load_settings
 from tests.conftest import StartBridge
@@ -125,17 +126,24 @@ def missing(samples: Samples, wanted: Iterable[Selector]) -> list[str]:
 
 
 class KVToy(ToyEngine):
-    """The toy model reporting KV bytes held (the tokens of the episodes it served) out of a capacity."""
+    """The toy model reporting KV bytes held (the tokens of the episodes it served) out of a capacity.
+
+    ``fail_next`` makes its next generate call fail as an unreachable replica does.
+    """
 
     def __init__(self, config: ToyConfig, replica: str) -> None:
         super().__init__(config, replica=replica)
         self.held: dict[str, int] = {}
+        self.fail_next = False
         self.counters.extra.update(kv_bytes=0, kv_capacity_bytes=KV_CAPACITY)
 
     def _report(self) -> None:
         self.counters.extra["kv_bytes"] = sum(self.held.values()) * KV_BYTES_PER_TOKEN
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        if self.fail_next:
+            self.fail_next = False
+            raise EngineUnavailable(f"replica {self.info.replica} is unreachable")
         self.held[request.episode_id] = len(request.token_ids)
         self._report()
         async for chunk in super().generate(request):
@@ -188,7 +196,11 @@ async def drive(server: BridgeServer, client: AsyncBridgeClient, redis_server: P
     for _ in range(4):
         await client.step(ep)  # routing: load (the first), then sticky
     await client.end_episode(ep, reward=1.0)
-    # A prefix-cache hit: the same prompt again goes where its blocks are.
+    # A prefix-cache hit: the same prompt again goes where its blocks are (once the index has them:
+    # its writes run in the background).
+    index = server.bridge.router.index
+    assert index is not None
+    await index.flush()
     ep = (await client.start_episode(prompt, sampling=short)).episode_id
     await client.step(ep)
     await client.discard_episode(ep)
@@ -198,10 +210,15 @@ async def drive(server: BridgeServer, client: AsyncBridgeClient, redis_server: P
         await client.step(member)
         await client.end_episode(member)
     await shed(server, client)
-    # Deadline: a long turn on the slow toy outlives its 0.2 s deadline.
-    ep = (await client.start_episode([3, 4, 5], sampling={"max_tokens": 2000, "ignore_eos": True})).episode_id
-    with pytest.raises(DeadlineExceededError):
-        await client.step(ep, timeout=0.2)
+    # A replica fails a turn (UNAVAILABLE, a server-side error the error-rate alert counts); the health
+    # check puts it back in rotation.
+    started = await client.start_episode([3, 4, 5], sampling=short)
+    replica = next(e for e in server.bridge.engines if e.info.replica == started.replica)
+    assert isinstance(replica, KVToy)
+    replica.fail_next = True
+    with pytest.raises(UnavailableError):
+        await client.step(started.episode_id)
+    await server.check_health()
     # Staleness: started at version 0, two versions behind after an update (bound 1).
     stale = (await client.start_episode([3, 4, 5], sampling=short)).episode_id
     assert await client.update_weights(policy_version=2) == 2
