@@ -38,14 +38,13 @@ import math
 import threading
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engines.chat import HFTokenizer
+from engines import embedded_spec
 from engines.config import EmbeddedConfig
+from engines.embedded_model import DEFAULT_MODEL_NAME, Batch, Loaded, Seq, load_model
 from engines.errors import EngineError, EngineUnavailable, InvalidArgument
 from engines.kvcache import (
     KVStore,
@@ -58,7 +57,7 @@ from engines.kvcache import (
     pack_left,
     unpack_left,
 )
-from engines.sampling import raw_logprob, sample, verify
+from engines.sampling import raw_logprob, sample
 from engines.types import (
     Capability,
     EngineCounters,
@@ -75,80 +74,15 @@ from engines.types import (
 from engines.weights import read_checkpoint
 
 if TYPE_CHECKING:
-    import torch
-    from transformers import PreTrainedModel
-    from transformers.cache_utils import DynamicCache
+    pass
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-@dataclass(slots=True, eq=False)
-class _Seq:
-    """One running generation. ``ids`` is the whole history; the KV covers ``ids[:cached]``."""
-
-    request: GenerateRequest
-    queue: asyncio.Queue[TokenChunk | BaseException]
-    rng: np.random.Generator
-    budget: int
-    stops: frozenset[int]
-    ids: list[int]
-    cache: DynamicCache | None = None
-    cached: int = 0
-    logits: torch.Tensor | None = None  # next-token logits after ``ids``, once computed
-    deferred: int = 0  # leading fed tokens that are last turn's sampled token(s)
-    reused: int = 0  # prompt tokens whose KV was reused (usage.cached_tokens)
-    produced: int = 0
-    in_batch: bool = False
-    share_prompt: bool = False  # first member of a GRPO group: keep the prompt's KV for the others
-    stop_requested: bool = False
-    finish: FinishReason | None = None
-
-
-@dataclass(slots=True)
-class _Batch:
-    rows: list[_Seq]
-    cache: DynamicCache
-    mask: torch.Tensor  # [B, T] 1 for real positions, 0 for left padding
-
-
-@dataclass(slots=True)
-class _Loaded:
-    model: PreTrainedModel
-    tokenizer: HFTokenizer
-    name: str
-    max_model_len: int
-
-
-def load_model(config: EmbeddedConfig, model: str) -> _Loaded:
-    """Resolve (converting the bundled GGUF once if needed) and load the model. Blocking; seconds when cached."""
-    import torch
-    import transformers
-
-    from engines.model_store import ModelStoreError, load_model_and_tokenizer, resolve_model_dir
-
-    transformers.utils.logging.disable_progress_bar()
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    cache_dir = Path(config.model_cache).expanduser() if config.model_cache else None
-    try:
-        model_dir = resolve_model_dir(model or None, cache_dir=cache_dir, progress=lambda m: log.info("model: %s", m))
-        hf_model, hf_tokenizer = load_model_and_tokenizer(model_dir)
-    except ModelStoreError as exc:
-        raise EngineUnavailable(f"embedded engine cannot load model {model or DEFAULT_MODEL_NAME!r}: {exc}") from exc
-    eos = hf_model.config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    limit = int(getattr(hf_model.config, "max_position_embeddings", config.max_model_len))
-    path = Path(model).expanduser() if model else None
-    name = path.name if path is not None and path.exists() else (model or DEFAULT_MODEL_NAME)
-    return _Loaded(hf_model, HFTokenizer(hf_tokenizer, eos_ids), name, min(config.max_model_len, limit))
 
 
 class EmbeddedEngine:
     """In-process torch engine with stateful decode, GRPO prompt sharing, batching and weight swaps."""
 
-    def __init__(self, loaded: _Loaded, config: EmbeddedConfig, replica: str = "embedded-0") -> None:
+    def __init__(self, loaded: Loaded, config: EmbeddedConfig, replica: str = "embedded-0") -> None:
         self.config = config
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -168,9 +102,9 @@ class EmbeddedEngine:
         self._group_members: dict[str, set[str]] = {}
         self._groups_lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"primerl-{replica}")
-        self._waiting: list[_Seq] = []
-        self._active: list[_Seq] = []
-        self._batch: _Batch | None = None
+        self._waiting: list[Seq] = []
+        self._active: list[Seq] = []
+        self._batch: Batch | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
@@ -206,7 +140,7 @@ class EmbeddedEngine:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.info.eos_token_ids)
-        seq = _Seq(
+        seq = Seq(
             request=request,
             queue=asyncio.Queue(),
             rng=np.random.default_rng(params.seed) if params.seed is not None else self._rng,
@@ -311,23 +245,23 @@ class EmbeddedEngine:
                 seq.queue.put_nowait(chunk)
             self._active = [s for s in self._active if s.finish is None]
 
-    def _iteration(self, admitted: list[_Seq]) -> list[tuple[_Seq, TokenChunk]]:
+    def _iteration(self, admitted: list[Seq]) -> list[tuple[Seq, TokenChunk]]:
         """One scheduler step on the worker thread: admit, forward, sample, retire."""
         import torch
 
-        events: list[tuple[_Seq, TokenChunk]] = []
+        events: list[tuple[Seq, TokenChunk]] = []
         with torch.inference_mode():
             for seq in admitted:  # one by one: a group's first member shares its prompt KV with the next
                 self._acquire(seq)
                 if not seq.stop_requested and seq.logits is None and len(seq.ids) - seq.cached > 1:
                     self._prefill(seq)
-            live: list[_Seq] = []
+            live: list[Seq] = []
             for seq in self._active:
                 if seq.stop_requested:
                     events.append((seq, self._finish(seq, FinishReason.ABORT, ())))
                 else:
                     live.append(seq)
-            drafts = self._drafts(live)
+            drafts = embedded_spec.drafts(self, live)
             # One fed token each (kept in scheduling order, so a stable batch is reused as is).
             decode = [
                 s
@@ -338,13 +272,13 @@ class EmbeddedEngine:
             for seq in live:
                 if seq.logits is None and seq not in decode and seq not in drafts:
                     self._prefill(seq)
-            rows = {seq: self._verify_forward(seq, draft) for seq, draft in drafts.items()}
+            rows = {seq: embedded_spec.verify_forward(self, seq, draft) for seq, draft in drafts.items()}
             if decode:
                 self._decode(decode)
             version = self._version
             for seq in live:
                 if seq in drafts:
-                    events.append((seq, self._accept(seq, drafts[seq], rows[seq], version)))
+                    events.append((seq, embedded_spec.accept(self, seq, drafts[seq], rows[seq], version)))
                     continue
                 assert seq.logits is not None
                 logits = seq.logits.double().numpy()
@@ -373,94 +307,9 @@ class EmbeddedEngine:
                     events.append((seq, TokenChunk((token,), (logprob,), version, origins, raw_logprobs=raw)))
         return events
 
-    # -- speculation (worker thread) -------------------------------------------------------------------
-
-    def _drafts(self, live: list[_Seq]) -> dict[_Seq, tuple[int, ...]]:
-        """Drafts of the sequences that have a drafter and at most one token to feed (others decode plainly)."""
-        drafts: dict[_Seq, tuple[int, ...]] = {}
-        for seq in live:
-            drafter = seq.request.drafter
-            if drafter is None or seq.request.constraint is not None:
-                continue  # constrained mode decodes under its mask, one token per forward
-            if len(seq.ids) - seq.cached > 1 or not (seq.in_batch or seq.cache is not None):
-                continue
-            draft = drafter.draft(seq.ids, seq.budget - seq.produced - 1)
-            if draft:
-                check_token_ids(draft, self.info.vocab_size, "draft")
-                drafts[seq] = tuple(draft)
-        return drafts
-
-    def _verify_forward(self, seq: _Seq, draft: tuple[int, ...]) -> list[np.ndarray]:
-        """Score [pending token + draft] in one forward; return the len(draft) + 1 next-token logit rows."""
-        import torch
-
-        if seq.in_batch:
-            self._unpack()
-        assert seq.cache is not None
-        feed = ([] if seq.logits is not None else [seq.ids[-1]]) + list(draft)
-        out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([feed]), use_cache=True)
-        rows = ([seq.logits] if seq.logits is not None else []) + list(out.logits[0])
-        seq.cached += len(feed)
-        seq.logits = None
-        self.counters.forward_passes += 1
-        extra = self.counters.extra
-        extra["spec_forwards"] = extra.get("spec_forwards", 0) + 1
-        extra["spec_drafted"] = extra.get("spec_drafted", 0) + len(draft)
-        return [r.double().numpy() for r in rows]
-
-    def _accept(self, seq: _Seq, draft: tuple[int, ...], rows: list[np.ndarray], version: int) -> TokenChunk:
-        """Verify a scored draft, emit the accepted prefix plus one token, crop the KV to what was accepted."""
-        params = seq.request.params
-        emitted = verify(rows, draft, params, seq.rng)
-        accepted = sum(o == Origin.DRAFT_ACCEPTED for _, _, o in emitted)
-        assert seq.request.drafter is not None
-        seq.request.drafter.feedback(len(draft), accepted)
-        self.counters.extra["spec_accepted"] = self.counters.extra.get("spec_accepted", 0) + accepted
-        ids: list[int] = []
-        logprobs: list[float] = []
-        origins: list[Origin] = []
-        raw: list[float] = []
-        reason: FinishReason | None = None
-        for i, (token, logprob, origin) in enumerate(emitted):
-            ids.append(token)
-            logprobs.append(logprob)
-            origins.append(origin)
-            if params.raw_logprobs:
-                raw.append(raw_logprob(rows[i], token))
-            seq.ids.append(token)
-            seq.produced += 1
-            self.counters.generated_tokens += 1
-            if token in seq.stops:
-                reason = FinishReason.STOP
-            elif seq.produced >= seq.budget:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                break
-        # The KV holds the pending token and the whole draft; keep only the accepted part. The last emitted
-        # token is fed at the next step (or next turn), exactly as after a plain sample.
-        assert seq.cache is not None
-        surplus = seq.cached - (len(seq.ids) - 1)
-        if surplus > 0:
-            seq.cache.crop(-surplus)  # transformers 5: a negative count removes that many trailing tokens
-        seq.cached = len(seq.ids) - 1
-        if reason is None:
-            return TokenChunk(tuple(ids), tuple(logprobs), version, tuple(origins), raw_logprobs=tuple(raw))
-        seq.finish = reason
-        self._park(seq)
-        usage = Usage(prompt_tokens=len(seq.request.token_ids), cached_tokens=seq.reused, generated_tokens=seq.produced)
-        return TokenChunk(
-            tuple(ids),
-            tuple(logprobs),
-            version,
-            tuple(origins),
-            finish_reason=reason,
-            usage=usage,
-            raw_logprobs=tuple(raw),
-        )
-
     def _finish(
         self,
-        seq: _Seq,
+        seq: Seq,
         reason: FinishReason,
         last: tuple[int, float] | tuple[()],
         raw: tuple[float, ...] = (),
@@ -475,7 +324,7 @@ class EmbeddedEngine:
 
     # -- KV bookkeeping (worker thread) --------------------------------------------------------------
 
-    def _acquire(self, seq: _Seq) -> None:
+    def _acquire(self, seq: Seq) -> None:
         """Give an admitted sequence the longest reusable KV: its episode's, else its group's prompt."""
         req = seq.request
         entry: Parked | None = None
@@ -508,7 +357,7 @@ class EmbeddedEngine:
         self.counters.cached_tokens += seq.cached
         self.counters.extra["deferred_decode_tokens"] += seq.deferred
 
-    def _park(self, seq: _Seq) -> None:
+    def _park(self, seq: Seq) -> None:
         """Keep a finished sequence's KV for its episode's next turn.
 
         An aborted turn's KV is dropped: its episode may already have been ended and released
@@ -533,7 +382,7 @@ class EmbeddedEngine:
 
     # -- forward passes (worker thread) --------------------------------------------------------------
 
-    def _prefill(self, seq: _Seq) -> None:
+    def _prefill(self, seq: Seq) -> None:
         import torch
 
         if seq.in_batch:
@@ -554,7 +403,7 @@ class EmbeddedEngine:
             prompt.nbytes = cache_nbytes(prompt.cache)
             self._store.put(("grp", req.group_id), prompt)
 
-    def _decode(self, seqs: list[_Seq]) -> None:
+    def _decode(self, seqs: list[Seq]) -> None:
         import torch
 
         self.counters.forward_passes += 1
@@ -586,7 +435,7 @@ class EmbeddedEngine:
             seq.cached += 1
         self.counters.extra["batched_rows"] = self.counters.extra.get("batched_rows", 0) + len(seqs)
 
-    def _pack(self, seqs: list[_Seq]) -> None:
+    def _pack(self, seqs: list[Seq]) -> None:
         """Left-pad the sequences' KV into one batched cache."""
         caches = []
         for seq in seqs:
@@ -595,7 +444,7 @@ class EmbeddedEngine:
         cache, mask = pack_left(caches, [seq.cached for seq in seqs])
         for seq in seqs:
             seq.cache, seq.in_batch = None, True
-        self._batch = _Batch(list(seqs), cache, mask)
+        self._batch = Batch(list(seqs), cache, mask)
 
     def _unpack(self) -> None:
         """Split the batched cache back into per-sequence caches."""
