@@ -177,10 +177,6 @@ class SamplingOverrides(Mapping[str, Any]):
     def __repr__(self) -> str:
         return f"SamplingOverrides({', '.join(f'{k}={v!r}' for k, v in self._set.items())})"
 
-    def apply(self, base: SamplingParams) -> SamplingParams:
-        """``base.merge(self)`` (kept for callers written before ``SamplingParams.merge``)."""
-        return base.merge(self)
-
 
 NO_OVERRIDES = SamplingOverrides()
 

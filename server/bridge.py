@@ -74,12 +74,8 @@ class Bridge:
         self.admission = admission
         self.metrics = metrics if metrics is not None else BridgeMetrics()
         self.admit = Admission(admission, self.info, self.metrics)
-        self.defaults = SamplingParams(
-            temperature=defaults.temperature,
-            top_p=defaults.top_p,
-            top_k=defaults.top_k,
-            max_tokens=min(defaults.max_tokens, admission.max_tokens_per_turn),
-        )
+        # Server defaults < episode < step (``SamplingParams.merge``); every field may have a server default.
+        self.defaults = replace(defaults, max_tokens=min(defaults.max_tokens, admission.max_tokens_per_turn))
         self.store = EpisodeStore(admission.max_episodes)
         # Routing: each turn goes where its prefix is cached, sticky per episode, a GRPO group on one
         # replica; failed replicas are out of rotation.
@@ -170,7 +166,7 @@ class Bridge:
         model = self._check_model(req.model)
         if not 1 <= req.group_size <= self.admission.max_group_size:
             raise InvalidArgument(f"group_size must be in [1, {self.admission.max_group_size}], got {req.group_size}")
-        params = req.sampling.apply(self.defaults)
+        params = self.defaults.merge(req.sampling)
         self._check_sampling(params)
         if req.env:
             return await self._start_env_episodes(req, model, params)
@@ -298,7 +294,7 @@ class Bridge:
         if episode.busy:
             raise EpisodeBusy(f"episode {episode.id!r} already has a Step in progress; wait for it to finish")
         self.admit.check_fresh(episode, lambda: self.weights.version)
-        params = req.sampling.apply(episode.sampling)
+        params = episode.sampling.merge(req.sampling)
         self._check_sampling(params)
         session = self._envs.get(episode.id)
         observation: list[int] = []

@@ -186,3 +186,14 @@ async def test_client_retries_until_the_server_is_up(start_bridge) -> None:  # t
     finally:
         await starter
         await client.close()
+
+
+async def test_sampling_merges_server_defaults_then_episode_then_step(start_bridge) -> None:  # type: ignore[no-untyped-def]
+    """Every sampling field may have a server default; the episode's values override it, a Step's override both."""
+    server, client = await start_bridge(sampling={"min_p": 0.3, "top_k": 7, "max_tokens": 5})
+    ep = (await client.start_episode(PROMPT, sampling={"top_k": 3})).episode_id
+    episode = server.bridge.store.peek(ep)
+    assert (episode.sampling.min_p, episode.sampling.top_k, episode.sampling.max_tokens) == (0.3, 3, 5)
+    turn = await client.step(ep, sampling={"min_p": 0.0, "max_tokens": 2, "ignore_eos": True})
+    assert len(turn.token_ids) == 2  # the Step's max_tokens, not the server's 5
+    assert episode.sampling.min_p == 0.3  # a Step's override lasts one turn
