@@ -10,7 +10,6 @@ from engines.types import NO_OVERRIDES, Message, Origin, SamplingOverrides
 from server.envsession import EnvOutcome
 from server.episodes import Episode, Turn
 
-
 # ``SamplingOverrides`` (the fields a request sets) and ``NO_OVERRIDES`` are engines.types' partial form of
 # ``SamplingParams``, re-exported here for the bridge's calls.
 
