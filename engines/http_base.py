@@ -322,9 +322,23 @@ class RemoteEngine:
             log.debug("%s: statistics not available: %s", self.label, exc.message)
         return EngineHealth(True, f"{self.label} serves {self.served_model_name!r}")
 
+    # Engine-side Prometheus series copied into ``counters.extra`` at each health check: series name ->
+    # counter key; and the series of the KV cache's usage as a fraction (exported as parts per million).
+    stat_counters: ClassVar[dict[str, str]] = {}
+    kv_usage_series: ClassVar[str] = ""
+
     async def refresh_stats(self) -> None:
-        """Copy engine-side statistics (Prometheus) into ``counters.extra``; engines override it."""
-        return None
+        """Copy the engine's statistics (``stat_counters``, ``kv_usage_series``) into ``counters.extra``."""
+        names = (*self.stat_counters, self.kv_usage_series) if self.kv_usage_series else tuple(self.stat_counters)
+        if not names:
+            return
+        stats = await self.prometheus(names)
+        extra = self.counters.extra
+        for name, key in self.stat_counters.items():
+            if name in stats:
+                extra[key] = int(stats[name])
+        if self.kv_usage_series in stats:
+            extra["kv_usage_ppm"] = int(stats[self.kv_usage_series] * 1e6)
 
     async def close(self) -> None:
         await self._client.aclose()

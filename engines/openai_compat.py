@@ -14,14 +14,41 @@ from typing import Any, ClassVar
 
 from engines.errors import Aborted
 from engines.http_base import Delta, RemoteEngine, StreamState
-from engines.types import FinishReason, Usage
+from engines.types import FinishReason, GenerateRequest, Usage
 from engines.wire import finish_from_openai
 
 
 class OpenAICompletionsEngine(RemoteEngine):
-    """``parse_event`` for OpenAI-compatible completion chunks; subclasses build the payload."""
+    """``parse_event`` for OpenAI-compatible completion chunks, and the payload fields both servers share.
+
+    Subclasses build their payload as ``completions_payload(request)`` plus their own fields (how they
+    disable top-k, ask for logprobs and for token ids, salt the prefix cache).
+    """
 
     missing_ids_hint: ClassVar[str] = "the server did not return token ids"
+
+    def completions_payload(self, request: GenerateRequest) -> dict[str, Any]:
+        """Token ids in, one streamed choice with usage out, sampled as ``request.params`` says."""
+        p = request.params
+        return {
+            "model": self.served_model_name,
+            "prompt": list(request.token_ids),
+            "max_tokens": p.max_tokens,
+            "n": 1,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "min_p": p.min_p,
+            "repetition_penalty": 1.0,
+            "seed": p.seed,
+            "stop": [],
+            "stop_token_ids": list(p.stop_token_ids),
+            "ignore_eos": p.ignore_eos,
+            "min_tokens": 0,
+            "echo": False,
+            "skip_special_tokens": False,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
 
     def parse_event(self, data: Any, state: StreamState) -> Delta | None:
         w = self.wire

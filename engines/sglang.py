@@ -37,6 +37,11 @@ class SglangEngine(RemoteEngine):
     """One SGLang server (see module docstring)."""
 
     engine_name: ClassVar[str] = "sglang"
+    # Statistics need ``--enable-metrics``.
+    stat_counters: ClassVar[dict[str, str]] = dict(
+        zip(CACHE_METRICS, ("engine_cached_tokens", "engine_prompt_tokens"), strict=True)
+    )
+    kv_usage_series: ClassVar[str] = "sglang:token_usage"
     generate_path: ClassVar[str] = "/generate"
     capabilities: ClassVar[frozenset[Capability]] = frozenset({Capability.MIN_P, Capability.WEIGHT_UPDATES})
     config: SglangConfig
@@ -153,16 +158,6 @@ class SglangEngine(RemoteEngine):
             if body.get("success") is not True:
                 raise InvalidArgument(f"{self.label} could not load {update.checkpoint_path!r}: {body.get('message')}")
             self._version = update.policy_version
-
-    async def refresh_stats(self) -> None:
-        """Cached/prompt token counters and KV usage into ``counters.extra`` (needs ``--enable-metrics``)."""
-        stats = await self.prometheus((*CACHE_METRICS, "sglang:token_usage"))
-        extra = self.counters.extra
-        for name, key in zip(CACHE_METRICS, ("engine_cached_tokens", "engine_prompt_tokens"), strict=True):
-            if name in stats:
-                extra[key] = int(stats[name])
-        if "sglang:token_usage" in stats:
-            extra["kv_usage_ppm"] = int(stats["sglang:token_usage"] * 1e6)
 
     async def cache_stats(self) -> dict[str, float]:
         """``sglang:cached_tokens_total`` / ``sglang:prompt_tokens_total`` (needs ``--enable-metrics``)."""

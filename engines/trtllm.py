@@ -36,28 +36,11 @@ class TrtllmEngine(OpenAICompletionsEngine):
     missing_ids_hint: ClassVar[str] = "the server ignored detokenize=false"
 
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
-        p = request.params
         return {
-            "model": self.served_model_name,
-            "prompt": list(request.token_ids),
-            "max_tokens": p.max_tokens,
-            "n": 1,
-            "temperature": p.temperature,
-            "top_p": p.top_p,
-            "top_k": p.top_k,  # 0 disables top-k in TRT-LLM
-            "min_p": p.min_p,
-            "repetition_penalty": 1.0,
-            "seed": p.seed,
-            "stop": [],
-            "stop_token_ids": list(p.stop_token_ids),
-            "ignore_eos": p.ignore_eos,
-            "min_tokens": 0,
+            **self.completions_payload(request),
+            "top_k": request.params.top_k,  # 0 disables top-k in TRT-LLM
             "logprobs": 1,
-            "echo": False,
             "detokenize": False,
-            "skip_special_tokens": False,
-            "stream": True,
-            "stream_options": {"include_usage": True},
         }
 
     async def update_weights(self, update: WeightUpdate) -> None:

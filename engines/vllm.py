@@ -160,6 +160,10 @@ class VllmEngine(OpenAICompletionsEngine):
     """One vLLM server (see module docstring)."""
 
     engine_name: ClassVar[str] = "vllm"
+    stat_counters: ClassVar[dict[str, str]] = dict(
+        zip(PREFIX_CACHE_METRICS, ("prefix_cache_hits", "prefix_cache_queries"), strict=True)
+    )
+    kv_usage_series: ClassVar[str] = "vllm:kv_cache_usage_perc"
     generate_path: ClassVar[str] = "/v1/completions"
     capabilities: ClassVar[frozenset[Capability]] = frozenset(
         {Capability.MIN_P, Capability.WEIGHT_UPDATES, Capability.DRAFT_VERIFY}
@@ -173,29 +177,13 @@ class VllmEngine(OpenAICompletionsEngine):
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
         p = request.params
         return {
-            "model": self.served_model_name,
-            "prompt": list(request.token_ids),
-            "max_tokens": p.max_tokens,
-            "n": 1,
-            "temperature": p.temperature,
-            "top_p": p.top_p,
+            **self.completions_payload(request),
             "top_k": p.top_k if p.top_k > 0 else -1,
-            "min_p": p.min_p,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-            "seed": p.seed,
-            "stop": [],
-            "stop_token_ids": list(p.stop_token_ids),
-            "ignore_eos": p.ignore_eos,
-            "min_tokens": 0,
             "logprobs": 0,  # 0 = the sampled token's logprob only
-            "echo": False,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-            "stream": True,
-            "stream_options": {"include_usage": True},
             "cache_salt": vllm_salt(salt),
             "request_id": request.request_id,
         }
@@ -432,16 +420,6 @@ class VllmEngine(OpenAICompletionsEngine):
                 # Only frees memory: the cache salt already keeps old KV from being used.
                 with contextlib.suppress(PrimeRLError):
                     await self.request("POST", "/reset_prefix_cache")
-
-    async def refresh_stats(self) -> None:
-        """Prefix-cache counters and KV usage into ``counters.extra`` (read by the bridge's /metrics)."""
-        stats = await self.prometheus((*PREFIX_CACHE_METRICS, "vllm:kv_cache_usage_perc"))
-        extra = self.counters.extra
-        for name, key in zip(PREFIX_CACHE_METRICS, ("prefix_cache_hits", "prefix_cache_queries"), strict=True):
-            if name in stats:
-                extra[key] = int(stats[name])
-        if "vllm:kv_cache_usage_perc" in stats:
-            extra["kv_usage_ppm"] = int(stats["vllm:kv_cache_usage_perc"] * 1e6)
 
     async def prefix_cache_stats(self) -> dict[str, float]:
         """``vllm:prefix_cache_{hits,queries}_total`` (in tokens) from ``/metrics``."""
