@@ -122,19 +122,8 @@ class RemoteEngine:
         self._explicit_model = bool(model or config.served_model_name)
         self.counters = EngineCounters()
         self._request_timeout_s = request_timeout_s
-        self._stream_timeout = httpx.Timeout(
-            connect=config.connect_timeout_s,
-            read=request_timeout_s,
-            write=config.control_timeout_s,
-            pool=config.connect_timeout_s,
-        )
-        self._client = httpx.AsyncClient(
-            base_url=self.url,
-            timeout=httpx.Timeout(config.control_timeout_s, connect=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=64),
-            transport=transport,
-            trust_env=False,  # engine URLs are internal: never route them through a proxy from the environment
-        )
+        self._stream_timeout = http_edge.stream_timeout(config, request_timeout_s)
+        self._client = http_edge.make_client(self.url, config, transport)
         self._info = EngineInfo(
             engine=self.engine_name,
             model=model or config.served_model_name or Path(facts.model_dir).name,

@@ -39,6 +39,27 @@ _OOV = re.compile(r"out of vocabulary|out-of-vocabulary|outside the vocabulary|i
 _TOO_LONG = re.compile(r"context length|maximum model length|max_model_len|too long|exceeds", re.IGNORECASE)
 
 
+def make_client(url: str, config: RemoteEngineConfig, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+    """The replica's connection pool: control-call timeouts, bounded connections, never a proxy."""
+    return httpx.AsyncClient(
+        base_url=url,
+        timeout=httpx.Timeout(config.control_timeout_s, connect=config.connect_timeout_s),
+        limits=httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=64),
+        transport=transport,
+        trust_env=False,  # engine URLs are internal: never route them through a proxy from the environment
+    )
+
+
+def stream_timeout(config: RemoteEngineConfig, request_timeout_s: float) -> httpx.Timeout:
+    """A generation stream may be silent for at most ``request_timeout_s``."""
+    return httpx.Timeout(
+        connect=config.connect_timeout_s,
+        read=request_timeout_s,
+        write=config.control_timeout_s,
+        pool=config.connect_timeout_s,
+    )
+
+
 def redact_url(url: str) -> str:
     """``url`` without userinfo, query and fragment: safe for labels, errors and logs."""
     try:
