@@ -14,7 +14,6 @@ failure counted; the next period retries. (The fleet simulator's in-process equi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -23,6 +22,7 @@ from typing import Protocol
 from redis.exceptions import RedisError
 
 from cache.redis_index import RedisIndex
+from engines.tasks import cancel_and_wait
 
 log = logging.getLogger("primerl.cache")
 
@@ -91,8 +91,5 @@ class RedisLoadBoard:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="prefix-index-load-board")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

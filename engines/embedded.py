@@ -31,7 +31,6 @@ Invariants
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -58,6 +57,7 @@ from engines.kvcache import (
     unpack_left,
 )
 from engines.sampling import raw_logprob, sample
+from engines.tasks import cancel_and_wait
 from engines.types import (
     Capability,
     EngineCounters,
@@ -208,11 +208,8 @@ class EmbeddedEngine:
         await asyncio.get_running_loop().run_in_executor(self._worker, self._swap_weights, state, update)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for seq in [*self._waiting, *self._active]:
             seq.queue.put_nowait(EngineUnavailable(f"embedded engine {self.info.replica!r} is shutting down"))
         await asyncio.to_thread(self._worker.shutdown, True)  # a forward in flight finishes off the loop
