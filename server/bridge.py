@@ -28,7 +28,7 @@ from dataclasses import replace
 from cache import CacheConfig
 from engines.base import Engine
 from engines.salt import CacheSalt
-from engines.types import Message, Origin, SamplingParams, check_capabilities, check_token_ids
+from engines.types import Capability, Message, Origin, SamplingParams, check_capabilities, check_token_ids
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
 from placement.routing import Router, RouteRequest, RoutingConfig
@@ -105,6 +105,14 @@ class Bridge:
             raise InvalidArgument(
                 f"speculation.mode 'constrained' needs an engine that decodes under a grammar mask "
                 f"(embedded); replicas {unable} ({self.info.engine}) cannot: use mode 'draft-only'"
+            )
+        plain = [e.info.replica for e in self.engines if Capability.DRAFT_VERIFY not in e.info.capabilities]
+        if config.mode == "draft-only" and plain:  # said once here; Turns attaches no drafter for them
+            log.warning(
+                "speculation on, but replicas %s (%s) cannot verify drafts (capability 'draft_verify'): "
+                "their turns decode plainly",
+                plain,
+                self.info.engine,
             )
         return SpeculationFactory(config, getattr(self.tokenizer, "hf_tokenizer", None))
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from engines.base import Engine
 from engines.salt import CacheSalt
-from engines.types import FinishReason, GenerateRequest, Origin, SamplingParams, TokenChunk, Usage
+from engines.types import Capability, FinishReason, GenerateRequest, Origin, SamplingParams, TokenChunk, Usage
 from observability.metrics import BridgeMetrics
 from server.calls import StepUpdate
 from server.episodes import Episode, Turn
@@ -82,7 +82,8 @@ class Turns:
         drafter = constraint = None
         if self.speculation is not None and (episode.tool_schemas or grammar is not None):
             # Speculation targets tool-call spans only: episodes with tools (or an env's grammar).
-            drafter = self.speculation.drafter(episode.tool_schemas, grammar)
+            if Capability.DRAFT_VERIFY in self.engines[episode.replica].info.capabilities:
+                drafter = self.speculation.drafter(episode.tool_schemas, grammar)
             constraint = self.speculation.constraint(episode.tool_schemas, grammar)
         return GenerateRequest(
             request_id=engine_request_id(turn.index),

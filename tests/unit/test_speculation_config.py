@@ -64,6 +64,29 @@ def test_constrained_mode_is_refused_on_engines_that_cannot_mask() -> None:
     assert Bridge([toy], AdmissionConfig(), SamplingDefaults(), speculation=SpeculationConfig(enabled=True)).speculation
 
 
+def test_draft_only_on_replicas_that_cannot_verify_is_said_at_start_and_sends_no_drafter(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from dataclasses import replace
+
+    from engines.config import ToyConfig
+    from engines.toy import ToyEngine
+    from engines.types import Capability, GenerateRequest, SamplingParams
+    from server.bridge import Bridge
+    from server.config import AdmissionConfig, SamplingDefaults
+    from server.episodes import Episode
+
+    toy = ToyEngine(ToyConfig())
+    toy.info = replace(toy.info, capabilities=toy.info.capabilities - {Capability.DRAFT_VERIFY})
+    with caplog.at_level("WARNING", logger="primerl.server"):
+        bridge = Bridge([toy], AdmissionConfig(), SamplingDefaults(), speculation=SpeculationConfig(enabled=True))
+    assert "cannot verify drafts (capability 'draft_verify')" in caplog.text
+    episode = Episode("ep", "", "toy", "g", 0, 0, SamplingParams(), {}, tool_schemas=('{"name": "f"}',))
+    turn, params = bridge.turns.open(episode, [1, 2], SamplingParams(max_tokens=4), False)
+    request: GenerateRequest = bridge.turns._request(episode, turn, params, None)
+    assert request.drafter is None
+
+
 def test_masked_positions_merge_per_turn_and_ignore_tokens_that_never_arrived() -> None:
     from types import SimpleNamespace
 
