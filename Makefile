@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 
-.PHONY: help setup lock run demo-chat demo-ppo test unit lint gen-proto check-proto bench bench-gate gate-fast clean vllm-env
+.PHONY: help setup lock run demo-chat demo-ppo test unit lint gen-proto check-proto bench bench-gate gate-fast clean vllm-env verifiers-env
 
 help:
 	@echo "make run    - set up, show one chat episode through the bridge, then run the GRPO training demo"
@@ -58,7 +58,7 @@ demo-chat: setup
 demo-ppo: setup
 	$(PY) examples/ppo_train.py
 
-test: setup check-proto lint vllm-env
+test: setup check-proto lint vllm-env verifiers-env
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory gate-fast
 
@@ -71,6 +71,11 @@ gate-fast: setup
 vllm-env: setup
 	scripts/provision_vllm.sh >/dev/null
 	$(PY) -c "from engines.model_store import ensure_converted; ensure_converted()"
+
+# verifiers==0.4.0 + renderers, unmodified, in their own cached virtualenv (~/.cache/primerl/verifiers-venv;
+# ~0.2 s when current) for the HTTP front door tests that run verifiers' TrainClient against the bridge.
+verifiers-env:
+	scripts/provision_verifiers.sh >/dev/null
 
 unit: setup
 	$(PY) -m pytest -q tests/unit
