@@ -44,6 +44,10 @@ setup: $(STAMP)
 	@test -x /usr/bin/chromium || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	@# cache/ tests and bench/cache_index.py start a private redis-server on a free port.
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	@# PostgreSQL tests start a private cluster (initdb + pg_ctl, not on PATH on Debian) on a free port; a cluster
+	@# the package may start on 5432 is never used.
+	@{ command -v initdb || ls /usr/lib/postgresql/*/bin/initdb; } >/dev/null 2>&1 \
+		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
 
 # The main job on the embedded SmolLM2: first one 3-turn chat episode through a bridge, printed turn by turn
 # (token ids, text, logprobs; examples/demo.py, ~20 s), then GRPO training through the bridge with a per-step

@@ -11,7 +11,11 @@ import pytest
 from rl_client import AsyncBridgeClient
 from server.app import BridgeServer, create_server
 from server.config import load_settings
+from tests.integration.postgres_proc import PrivatePostgres
 from tests.integration.redis_proc import PrivateRedis
+
+# A skip for a missing service fails the run (services are private fixtures or `make setup`).
+pytest_plugins = ("tests.skip_guard",)
 
 StartBridge = Callable[..., Awaitable[tuple[BridgeServer, AsyncBridgeClient]]]
 
@@ -49,3 +53,14 @@ def redis_server() -> Iterator[PrivateRedis]:
     server.start()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PrivatePostgres]:
+    """A private PostgreSQL cluster on a free port (never the shared 5432) with an empty database ``test``."""
+    server = PrivatePostgres()
+    try:
+        server.start(databases=("test",))
+        yield server
+    finally:
+        server.close()

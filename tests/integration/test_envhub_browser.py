@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -14,11 +13,6 @@ from envhub.config import BrowserConfig
 from envhub.connectors.browser import BrowserSession, origin_of
 from envhub.loop import ToolLoop
 from tests.integration.testsite import serve_test_site
-
-pytest.importorskip("playwright")
-pytestmark = [
-    pytest.mark.skipif(not os.access("/usr/bin/chromium", os.X_OK), reason="chromium is installed by `make setup`"),
-]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -106,7 +105,6 @@ def test_html_to_text() -> None:
     assert html_to_text(html) == "T\na [B](/b)"
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is installed by `make setup`")
 async def test_code_math_from_registry() -> None:
     env = make_env("code-math")
     await env.reset(task_id="math-5")

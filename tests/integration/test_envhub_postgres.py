@@ -1,7 +1,8 @@
-"""PostgreSQL connector against the local server (acceptance point 2, PostgreSQL half).
+"""PostgreSQL connector against a real server (acceptance point 2, PostgreSQL half).
 
-Uses 127.0.0.1:5432 (trust auth, database ``test``); creates a uniquely named schema and a
-least-privilege login role, and drops both afterwards.
+Uses the session's private cluster (``postgres_server``: its own free port on 127.0.0.1, trust
+auth, database ``test``, superuser ``postgres``), never a shared server; creates a uniquely
+named schema and a least-privilege login role, and drops both afterwards.
 """
 
 from __future__ import annotations
@@ -16,23 +17,21 @@ import uuid
 import warnings
 from collections.abc import AsyncIterator
 
+import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from engines.errors import ToolError
 from envhub.config import SqlConfig
 from envhub.connectors.sql import PostgresReadOnly
-
-psycopg = pytest.importorskip("psycopg")
-ADMIN_DSN = "host=127.0.0.1 port=5432 dbname=test connect_timeout=3"
+from tests.integration.postgres_proc import PrivatePostgres
 
 
 @pytest.fixture(scope="module")
-async def pg() -> AsyncIterator[tuple[str, str, str]]:
+async def pg(postgres_server: PrivatePostgres) -> AsyncIterator[tuple[str, str, str]]:
     """(reader DSN, schema, admin DSN) with a table ``<schema>.items`` of 3 rows."""
-    try:
-        admin = await psycopg.AsyncConnection.connect(ADMIN_DSN, autocommit=True)
-    except psycopg.OperationalError as e:
-        pytest.skip(f"no PostgreSQL at 127.0.0.1:5432: {e}")
+    admin_dsn = postgres_server.dsn("test")
+    admin = await psycopg.AsyncConnection.connect(admin_dsn, autocommit=True)
     tag = f"envhub_{uuid.uuid4().hex[:10]}"
     schema, role = tag, f"{tag}_ro"
     await admin.execute(f"CREATE SCHEMA {schema}")
@@ -42,7 +41,7 @@ async def pg() -> AsyncIterator[tuple[str, str, str]]:
     await admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
     await admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.items TO {role}")  # the guard, not grants
     try:
-        yield f"{ADMIN_DSN} user={role}", schema, ADMIN_DSN
+        yield postgres_server.dsn("test", user=role), schema, admin_dsn
     finally:
         await admin.execute(f"DROP SCHEMA {schema} CASCADE")
         await admin.execute(f"DROP OWNED BY {role}")
@@ -120,9 +119,7 @@ async def test_superuser_is_refused_unless_allowed(pg: tuple[str, str, str]) -> 
     _, _, admin_dsn = pg
     async with await psycopg.AsyncConnection.connect(admin_dsn) as probe:
         cur = await probe.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
-        row = await cur.fetchone()
-    if not (row and row[0]):
-        pytest.skip("the default PostgreSQL user is not a superuser here")
+        assert (await cur.fetchone()) == (True,)  # the private cluster's admin is its superuser
     conn = PostgresReadOnly(admin_dsn)
     with pytest.raises(ToolError, match="superuser"):
         await conn.query("SELECT 1")
@@ -152,7 +149,7 @@ async def _wait_for_backend(admin_dsn: str, role: str, query_prefix: str) -> int
 
 async def test_concurrent_first_queries_open_one_connection(pg: tuple[str, str, str]) -> None:
     dsn, schema, admin_dsn = pg
-    role = dsn.rsplit("user=", 1)[1]
+    role = str(conninfo_to_dict(dsn)["user"])
     conn = PostgresReadOnly(dsn)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -171,7 +168,7 @@ async def test_queries_queued_behind_a_dropped_connection_reconnect(pg: tuple[st
     gets a ToolError, the queued queries (one of them timing out server-side) run on a new
     connection, and exactly one connection is left."""
     dsn, schema, admin_dsn = pg
-    role = dsn.rsplit("user=", 1)[1]
+    role = str(conninfo_to_dict(dsn)["user"])
     conn = PostgresReadOnly(dsn, SqlConfig(timeout_s=1.0))
 
     async def kill_the_sleeper() -> None:
@@ -206,14 +203,11 @@ async def test_client_deadline_cancels_and_reconnects(pg: tuple[str, str, str]) 
     client-side deadline: a timeout ToolError, the event loop stays responsive, and the next
     query gets a fresh connection."""
     dsn, schema, admin_dsn = pg
-    role = dsn.rsplit("user=", 1)[1]
+    role = str(conninfo_to_dict(dsn)["user"])
     conn = PostgresReadOnly(dsn, SqlConfig(timeout_s=0.5))
     assert (await conn.query("SELECT 1 AS one")).splitlines() == ["one", "1"]
+    # The private server runs as this user, or as `postgres` under root: either way it can be signalled.
     (pid, _, _), *_ = await _backends(admin_dsn, role)
-    try:
-        os.kill(pid, 0)
-    except PermissionError:
-        pytest.skip("cannot signal the PostgreSQL backend (not the same user / root)")
     gaps: list[float] = []
 
     async def ticker() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import stat
 import tempfile
 import time
@@ -22,8 +21,6 @@ from envhub.connectors.sandbox import CodeSandbox, default_python
 from envhub.envs._data import load_tasks
 from envhub.envs.code_math import CodeMathEnv
 from envhub.loop import ToolLoop
-
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is installed by `make setup`")
 
 # A uid no other test uses, so leftover processes of the run are countable (root hubs drop to it).
 TEST_UID = 61_000 + os.getpid() % 1000
