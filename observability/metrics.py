@@ -179,6 +179,21 @@ class BridgeMetrics:
             "primerl_staleness_rejections", "Requests refused because their policy version was too stale.", ["model"],
             registry=r,
         )  # fmt: skip
+        # The HTTP front door (server/http): requests by route and status, and append-only breaks.
+        self.http_requests = Counter(
+            "primerl_http_requests", "HTTP front-door requests, by route and HTTP status.", ["route", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.http_duration = Histogram(
+            "primerl_http_duration_seconds", "HTTP front-door request wall time by route.", ["route"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.http_forks = Counter(
+            "primerl_http_forks",
+            "HTTP session calls whose history did not extend the session's (a new branch was started).",
+            ["route"],
+            registry=r,
+        )
         self._children: dict[tuple[str, str], _TurnChildren] = {}
         self._finished: dict[tuple[str, str, str], Counter] = {}  # (model, engine, finish reason) -> turns child
         self._rpc_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}  # (method, code) -> children

@@ -1,8 +1,8 @@
 """Server assembly and lifecycle: ``create_server`` builds a ready-to-start bridge.
 
-Shutdown order (``BridgeServer.stop``): health NOT_SERVING -> stop accepting RPCs ->
-drain in-flight Steps for the grace period -> close open episodes' environments -> close engines ->
-stop /metrics and flush traces.
+Shutdown order (``BridgeServer.stop``): health NOT_SERVING -> stop accepting RPCs -> drain in-flight
+Steps for the grace period -> stop the HTTP front door (its in-flight calls drain for the grace period)
+-> close open episodes' environments -> close engines -> stop /metrics and flush traces.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from server.auth import AuthInterceptor, load_tenants, server_credentials
 from server.bridge import Bridge
 from server.config import Settings
 from server.errors import InvalidArgument
+from server.http import HttpFrontDoor, create_app
 from server.persistence import EpisodeJournal
 from server.service import PrimeRLService
 from server.telemetry import TelemetryInterceptor
@@ -48,6 +49,7 @@ class BridgeServer:
     settings: Settings
     tracing: Tracing = field(default_factory=lambda: Tracing(None))
     metrics_endpoint: MetricsEndpoint | None = None
+    http: HttpFrontDoor | None = None  # the HTTP front door (None when http.port = 0)
     _health_poll: asyncio.Task[None] | None = None
     _serving: bool | None = None
     _stopping: bool = False
@@ -63,6 +65,11 @@ class BridgeServer:
         return self.metrics_endpoint.port if self.metrics_endpoint is not None else 0
 
     @property
+    def http_port(self) -> int:
+        """The bound HTTP front-door port (0 when it is off)."""
+        return self.http.port if self.http is not None else 0
+
+    @property
     def address(self) -> str:
         return f"{self.settings.server.host}:{self.port}"
 
@@ -72,6 +79,8 @@ class BridgeServer:
             log.info("Prometheus metrics on %s:%d/metrics", self.metrics_endpoint.host, port)
         await self.bridge.start()
         await self.server.start()
+        if self.http is not None:
+            await self.http.start()
         await self.check_health()
         self._health_poll = asyncio.create_task(self._supervise_health(), name="engine-health-supervisor")
 
@@ -122,6 +131,9 @@ class BridgeServer:
         self.stop_phase = "draining in-flight RPCs"
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.http is not None:
+            self.stop_phase = "stopping the HTTP front door"
+            await self.http.stop()
         self.stop_phase = "stopping the health supervisor"
         if self._health_poll is not None:  # before the engines close, so it never checks a closed one
             self._health_poll.cancel()
@@ -193,7 +205,19 @@ async def create_server(
     if port == 0:
         raise OSError(f"cannot bind {settings.server.host}:{settings.server.port}")
     endpoint = MetricsEndpoint(metrics.registry, settings.server.host, settings.metrics.port)
-    return BridgeServer(server, port, bridge, health, settings, tracing, endpoint if settings.metrics.port else None)
+    http = None
+    if settings.http.port:
+        app = create_app(
+            bridge,
+            metrics,
+            tenants,
+            settings.auth.admin_tenants,
+            session_ttl_s=settings.http.session_ttl_s,
+            max_body_bytes=settings.http.max_body_bytes,
+        )
+        http = HttpFrontDoor(app, settings.server.host, settings.http.port, settings.server.grace_period_s)
+    metrics_endpoint = endpoint if settings.metrics.port else None
+    return BridgeServer(server, port, bridge, health, settings, tracing, metrics_endpoint, http)
 
 
 async def serve(

@@ -117,11 +117,33 @@ def server_credentials(config: TlsConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(pair)
 
 
+def tenant_for(tenants: dict[str, str], token: str | None) -> str | None:
+    """The tenant whose token this is (``tenants``: digest -> tenant, from ``load_tenants``), or None.
+
+    Shared by the gRPC interceptor and the HTTP front door, so both surfaces accept the same tokens.
+    """
+    if not token:
+        return None
+    digest = hash_token(token)
+    found = None
+    for known, tenant in tenants.items():  # constant-time per entry, and every entry is compared
+        if hmac.compare_digest(known, digest):
+            found = tenant
+    return found
+
+
+def bearer_token(value: str | None) -> str | None:
+    """The token of an ``authorization: Bearer <token>`` value (None for another scheme or none)."""
+    if not value:
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 def _bearer(metadata: Any) -> str | None:
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str):
-            scheme, _, token = value.partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
+            return bearer_token(value)
     return None
 
 
@@ -133,13 +155,7 @@ class AuthInterceptor(HandlerInterceptor):
         self._admins = frozenset(admin_tenants or ())
 
     def _tenant_for(self, token: str | None) -> str | None:
-        if not token:
-            return None
-        digest = hash_token(token)
-        for known, tenant in self._tenants.items():  # constant-time per entry
-            if hmac.compare_digest(known, digest):
-                return tenant
-        return None
+        return tenant_for(self._tenants, token)
 
     def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = details.method

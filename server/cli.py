@@ -30,6 +30,7 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("engine", "model", args.model)
     put("server", "host", args.host)
     put("server", "port", args.port)
+    put("http", "port", args.http_port)
     put("metrics", "port", args.metrics_port)
     put("redis", "url", args.redis_url)
     return out
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="model name (or local model directory for the embedded engine)")
     serve.add_argument("--host", help="interface to bind")
     serve.add_argument("--port", type=int, help="gRPC port (0 = any free port)")
+    serve.add_argument("--http-port", type=int, help="HTTP front door port (OpenAI / vLLM routes; 0 = off)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = off)")
     serve.add_argument("--redis-url", help="redis:// URL of the shared index")
     serve.add_argument("--log-level", default="INFO", help="logging level")

@@ -46,6 +46,23 @@ class ServerConfig(BaseModel):
     )
 
 
+class HttpConfig(BaseModel):
+    """The HTTP front door (vLLM token route, OpenAI routes, sessions, admin) on the gRPC server's host."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port of the front door; 0 disables it.")
+    session_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="A session untouched this long is discarded (its episodes freed) when new sessions open.",
+    )
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond it)."
+    )
+
+
 class AdmissionConfig(BaseModel):
     """Limits enforced before any work is accepted (RESOURCE_EXHAUSTED beyond them)."""
 
@@ -108,6 +125,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PRIMERL_", env_nested_delimiter="__", extra="forbid")
 
     server: ServerConfig = Field(default_factory=ServerConfig, description="gRPC listener.")
+    http: HttpConfig = Field(default_factory=HttpConfig, description="HTTP front door (OpenAI / vLLM routes).")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission limits.")
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="Default sampling.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from typing import Any
@@ -18,6 +19,10 @@ from tests.integration.redis_proc import PrivateRedis
 pytest_plugins = ("tests.skip_guard",)
 
 StartBridge = Callable[..., Awaitable[tuple[BridgeServer, AsyncBridgeClient]]]
+
+# Bridges started by tests (in process or as `primerl serve` children) leave the HTTP front door off unless
+# a test asks for it on a free port (http={"port": engines.launch.free_port()}): never the shared 8000.
+os.environ.setdefault("PRIMERL_HTTP__PORT", "0")
 
 
 @pytest.fixture

@@ -65,6 +65,7 @@ def test_cli_flags_are_exactly_the_documented_ones() -> None:
         "--engine-url",
         "--help",
         "--host",
+        "--http-port",
         "--log-level",
         "--metrics-port",
         "--model",
