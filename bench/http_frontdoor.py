@@ -44,7 +44,8 @@ SESSION_TURNS = 3
 
 
 def sampling(tokens: int) -> dict[str, Any]:
-    return {"max_tokens": tokens, "ignore_eos": True, "seed": 1, "logprobs": 1, "temperature": 1.0}
+    """The bridge's sampling fields (gRPC); the token route adds vLLM's ``logprobs: 1``, as verifiers does."""
+    return {"max_tokens": tokens, "ignore_eos": True, "seed": 1, "temperature": 1.0}
 
 
 async def direct(n: int, tokens: int) -> list[float]:
@@ -70,7 +71,7 @@ class Http:
         self.client = httpx.AsyncClient(base_url=base, timeout=60.0, limits=limits, trust_env=False)
 
     async def generate(self, session: str, ids: list[int], tokens: int = 16) -> list[int]:
-        body = {"model": self.model, "token_ids": ids, "sampling_params": sampling(tokens)}
+        body = {"model": self.model, "token_ids": ids, "sampling_params": {**sampling(tokens), "logprobs": 1}}
         r = await self.client.post("/inference/v1/generate", json=body, headers={"X-Session-ID": session})
         if r.status_code != 200:
             raise RuntimeError(f"/inference/v1/generate -> {r.status_code}: {r.text[:300]}")
@@ -79,9 +80,7 @@ class Http:
 
     async def stream(self, tokens: int) -> int:
         """One SSE /v1/completions call (a one-call session); returns the number of tokens streamed."""
-        body = {"model": self.model, "prompt": PROMPT, "stream": True, **sampling(tokens)}
-        body.pop("logprobs")
-        body["return_token_ids"] = True
+        body = {"model": self.model, "prompt": PROMPT, "stream": True, "return_token_ids": True, **sampling(tokens)}
         n = 0
         async with self.client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
