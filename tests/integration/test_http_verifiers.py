@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import statistics
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,6 @@ DRIVER = Path(__file__).with_name("verifiers_driver.py")
 SESSIONS = 16
 TURNS = 3
 MAX_TOKENS = 8
-
-pytestmark = [pytest.mark.slow]
 
 
 @pytest.fixture(scope="session")
@@ -162,6 +162,7 @@ def assert_session_matches(rollout: dict[str, Any], traj: dict[str, Any]) -> Non
         assert_episode_matches(sid, run, ep)
 
 
+@pytest.mark.slow
 async def test_verifiers_train_client_rollouts_match_bridge_trajectories(
     start_bridge: StartBridge, verifiers_python: Path
 ) -> None:
@@ -187,3 +188,22 @@ async def test_verifiers_train_client_rollouts_match_bridge_trajectories(
         # SmolLM2's DefaultRenderer re-renders the whole chat each turn: it extends the previous prompt +
         # completion unless a sampled token sequence re-tokenises differently (rare: the bridge counts a fork).
         assert forks <= SESSIONS * (TURNS - 1) // 4, f"{forks} forks in {SESSIONS * (TURNS - 1)} turn transitions"
+
+
+async def test_keep_alive_calls_are_not_held_by_nagle(start_bridge: StartBridge) -> None:
+    """verifiers (and the OpenAI SDK) keep one connection per client: a call on it must not wait for a delayed
+    ACK. Without TCP_NODELAY on the front door's sockets every such call takes ~40 ms (uvicorn writes headers and
+    body separately), whatever the engine does; with it, a toy turn takes ~1 ms."""
+    port = free_port()
+    server, _ = await start_bridge(http={"port": port})
+    base = f"http://127.0.0.1:{getattr(server, 'http_port', None) or port}"
+    async with httpx.AsyncClient(base_url=base, timeout=30.0, trust_env=False) as http:
+        model = await served_model(http)
+        body = {"model": model, "token_ids": [1, 4, 30, 31, 32, 2, 5], "sampling_params": {"max_tokens": 4}}
+        took = []
+        for i in range(21):
+            start = time.perf_counter()
+            r = await http.post("/inference/v1/generate", json=body, headers={"X-Session-ID": f"nagle-{i}"})
+            took.append(time.perf_counter() - start)
+            assert r.status_code == 200, r.text
+    assert statistics.median(took) < 0.02, f"median keep-alive call {statistics.median(took) * 1e3:.1f} ms"
