@@ -43,8 +43,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_bridge(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
-    """A bridge process on a free port (``env``: extra PRIMERL_* settings); returns it and the port."""
+def start_bridge(
+    *args: str, env: dict[str, str] | None = None, tree: Path | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """A bridge process on a free port (``env``: extra PRIMERL_* settings; ``tree``: run the code of another
+    checkout, e.g. an earlier revision, with this venv); returns it and the port."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -58,7 +61,9 @@ def start_bridge(*args: str, env: dict[str, str] | None = None) -> tuple[subproc
         "--log-level",
         "WARNING",
     ]
-    return subprocess.Popen([*cmd, *args], cwd=BENCH.parent, env={**os.environ, **(env or {})}), port
+    # The HTTP front door stays off unless asked for (--http-port): two bench bridges must not race for port 8000.
+    env = {"PRIMERL_HTTP__PORT": "0", **os.environ, **(env or {})}
+    return subprocess.Popen([*cmd, *args], cwd=tree or BENCH.parent, env=env), port
 
 
 def record(

@@ -102,6 +102,43 @@ async def throughput(
     return done / elapsed, done / cpu, own / done
 
 
+def checkout(rev: str) -> Path:
+    """``rev`` of this repository as a plain directory tree (bench/.rev-<sha>, reused), for a side-by-side run."""
+    repo = Path(__file__).resolve().parents[1]
+    sha = subprocess.run(["git", "rev-parse", rev], cwd=repo, capture_output=True, text=True, check=True).stdout
+    tree = repo / "bench" / f".rev-{sha.strip()[:12]}"
+    if not tree.exists():
+        tree.mkdir()
+        archive = subprocess.run(["git", "archive", sha.strip()], cwd=repo, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+async def cpu_per_step(tree: Path | None, seconds: float) -> float:
+    """Bridge CPU-seconds per Step (64 in flight, one toy replica) of the code in ``tree`` (None: this tree)."""
+    proc, port = start_bridge("--engine", "toy", tree=tree)
+    try:
+        async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
+            await client.wait_until_ready(60)
+            await through_bridge(client, 20, 16, False)  # warm-up
+            _, per_cpu_s, _ = await throughput(client, 64, seconds, proc.pid)
+            return 1 / per_cpu_s
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+async def against(rev: str, seconds: float, rounds: int) -> tuple[list[float], list[float]]:
+    """Bridge CPU per Step of this tree and of ``rev``, measured alternately ``rounds`` times each in this run."""
+    tree = checkout(rev)
+    here: list[float] = []
+    there: list[float] = []
+    for _ in range(rounds):
+        here.append(await cpu_per_step(None, seconds))
+        there.append(await cpu_per_step(tree, seconds))
+    return here, there
+
+
 def start_floor() -> tuple[subprocess.Popen[bytes], int]:
     """bench/grpc_floor.py in its own process: the bare gRPC cost of a Step on this machine."""
     port = free_port()
@@ -144,7 +181,7 @@ async def floor(n: int, seconds: float) -> tuple[list[float], float, float, floa
         proc.wait(30)
 
 
-async def main(n: int, seconds: float) -> None:
+async def main(n: int, seconds: float, rev: str = "", rounds: int = 3) -> None:
     base16 = await direct(n, 16)
     base256 = await direct(max(20, n // 10), 256)
     floor16, floor_per_s, floor_per_cpu_s, floor_client_cpu = await floor(n, seconds)
@@ -228,6 +265,21 @@ async def main(n: int, seconds: float) -> None:
         "cpu_ceiling_steps_per_s": ceiling,
         "grpc_floor_cpu_ceiling_steps_per_s": floor_ceiling,
     }
+    ratios: dict[str, float] = {}
+    if rev:
+        here, there = await against(rev, seconds, rounds)
+        mine, theirs = pct(here, 50), pct(there, 50)
+        rows.append(
+            (
+                f"bridge CPU per Step, this tree / {rev} (median of {rounds} alternating runs each)",
+                f"{mine * 1e6:,.0f} / {theirs * 1e6:,.0f} us = {mine / theirs:.3f}x "
+                f"(runs: {', '.join(f'{x * 1e6:.0f}' for x in here)} / {', '.join(f'{x * 1e6:.0f}' for x in there)})",
+                "<= 1.0x",
+            )
+        )
+        figures["bridge_cpu_us_per_step_vs_rev"] = mine * 1e6
+        figures["rev_bridge_cpu_us_per_step"] = theirs * 1e6
+        ratios["bridge_cpu_per_step_over_rev"] = mine / theirs
     record(
         "bridge_overhead",
         "Bridge overhead (toy engine)",
@@ -239,6 +291,7 @@ async def main(n: int, seconds: float) -> None:
         "cores / (server + client CPU per Step), from the costs measured in this run: no server can exceed it here "
         "with its client on the same cores (one bridge process also runs its Python on one core at a time).",
         ratios={
+            **ratios,
             "bridge_over_direct_p50": pct(bridged16, 50) / pct(base16, 50),
             "bridge_over_grpc_floor_p50": pct(bridged16, 50) / floor_p50,
             "bridge_cpu_efficiency_vs_grpc_floor": steps_per_cpu_s / floor_per_cpu_s,
@@ -251,5 +304,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=500, help="Steps per latency measurement")
     ap.add_argument("--seconds", type=float, default=10.0, help="duration of the throughput phase")
+    ap.add_argument("--against", default="", metavar="REV", help="also measure the bridge of git revision REV")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs per tree with --against")
     args = ap.parse_args()
-    asyncio.run(main(args.steps, args.seconds))
+    asyncio.run(main(args.steps, args.seconds, args.against, args.rounds))
