@@ -297,3 +297,20 @@ async def test_a_session_is_an_episode_grpc_can_end(front: Any) -> None:
     assert ended.token_ids.tolist() == [3, 4, *r.json()["choices"][0]["token_ids"]]
     # Ended through gRPC: the session's episode is gone for HTTP too.
     _error(await http.get("/v1/sessions/g/trajectory"), 404)
+
+
+async def test_rl_client_opens_a_session_for_a_harness_and_fetches_its_trajectory(front: Any) -> None:
+    from rl_client.http import BridgeHTTPError, end_session, fetch_trajectory, open_session
+
+    _, _, http = front
+    root = str(http.base_url).rstrip("/")
+    s = await asyncio.to_thread(open_session, root, sampling={"max_tokens": 4, "temperature": 0})
+    async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0) as harness:
+        r = await harness.chat.completions.create(model="toy", messages=[{"role": "user", "content": "hi"}])
+    traj = await asyncio.to_thread(fetch_trajectory, s)
+    assert traj["session_id"] == s.id and sum(traj["loss_mask"]) == r.usage.completion_tokens == 4  # type: ignore[union-attr]
+    ended = await asyncio.to_thread(end_session, s, [0.5])
+    assert ended["rewards"] == [0.5]
+    with pytest.raises(BridgeHTTPError) as info:
+        await asyncio.to_thread(open_session, root, group_size=0)
+    assert info.value.status == 400
