@@ -114,6 +114,9 @@ class HttpFrontDoor:
         bind = host.strip("[]")
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         self.socket = socket.create_server((bind, port), family=family, reuse_port=False)
+        # Accepted connections inherit it: a keep-alive call must not wait ~40 ms for a delayed ACK (uvicorn
+        # writes a response's headers and body separately).
+        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.host, self.port = host, self.socket.getsockname()[1]
         config = uvicorn.Config(
             app, lifespan="off", log_config=None, access_log=False, timeout_graceful_shutdown=max(1, round(grace_s))
