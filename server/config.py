@@ -58,9 +58,7 @@ class HttpConfig(BaseModel):
         le=7 * 24 * 3600,
         description="A session untouched this long is discarded (its episodes freed) when new sessions open.",
     )
-    max_body_bytes: int = Field(
-        16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond it)."
-    )
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond it).")
 
 
 class AdmissionConfig(BaseModel):
