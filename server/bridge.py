@@ -37,7 +37,7 @@ from server.calls import EndRequest, EndResult, StartRequest, StartResult, StepR
 from server.config import AdmissionConfig, SamplingDefaults
 from server.envsession import EnvSession, check_env_name, close_all, open_env_sessions
 from server.episodes import Episode, EpisodeStore
-from server.errors import EpisodeBusy, InvalidArgument
+from server.errors import DeadlineExceeded, EpisodeBusy, InvalidArgument
 from server.journaled import JournaledStore
 from server.persistence import EpisodeJournal
 from server.steps import StepHandle
@@ -83,6 +83,8 @@ class Bridge:
         self.speculation = self._speculation(speculation)
         self.turns = Turns(self.engines, self.router, self.metrics, self.speculation, admission.max_tokens_per_episode)
         self.weights = Weights(self.engines, self.mark_replica)
+        self._serving = asyncio.Event()  # cleared by pause(): new Steps wait for resume()
+        self._serving.set()
         self.envhub = envhub or EnvHubConfig()
         self._envs: dict[str, EnvSession] = {}  # episode id -> its environment (episodes started with env)
         self.journal = journal  # episode persistence (None: episodes live in this process only)
@@ -262,6 +264,8 @@ class Bridge:
         With persistence the Step holds the episode's lease from here until ``StepHandle.close``,
         starts from the newest persisted record, and writes the record back once its turn is closed.
         """
+        if not self._serving.is_set():
+            await self._wait_for_resume(req.deadline_s)
         leased = await self.episodes.lease(req.episode_id)
         try:
             await self.episodes.sync(req.episode_id)
@@ -347,6 +351,30 @@ class Bridge:
         finally:
             if handle.leased:
                 await self.episodes.unlease(episode.id)
+
+    # -- pause / resume (prime-rl's admin names) ---------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return not self._serving.is_set()
+
+    async def pause(self, abort: bool) -> int:
+        """Start no new turn until ``resume``: new Steps wait (within their deadline). With ``abort`` the turns
+        running now are aborted too (finish reason ABORT, their partial tokens kept); returns how many."""
+        self._serving.clear()
+        log.info("paused: new Steps wait for resume%s", "; aborting the running turns" if abort else "")
+        return await self.turns.abort_all() if abort else 0
+
+    def resume(self) -> None:
+        self._serving.set()
+        log.info("resumed")
+
+    async def _wait_for_resume(self, deadline_s: float | None) -> None:
+        try:
+            async with asyncio.timeout(deadline_s):
+                await self._serving.wait()
+        except TimeoutError:
+            raise DeadlineExceeded("the bridge is paused (POST /resume) and the Step's deadline passed") from None
 
     # -- EndEpisode ---------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ class Turns:
         self.metrics = metrics
         self.speculation = speculation
         self.max_tokens_per_episode = max_tokens_per_episode
+        self.live: dict[str, Engine] = {}  # request id -> the engine running it (turns streaming now)
 
     def open(
         self, episode: Episode, observation: list[int], params: SamplingParams, step_seed: bool
@@ -72,6 +73,13 @@ class Turns:
         )
         episode.turns.append(turn)
         return turn, replace(params, max_tokens=budget, seed=seed)
+
+    async def abort_all(self) -> int:
+        """Ask the engines to abort every turn streaming now (each ends ABORT, partial tokens kept)."""
+        live = list(self.live.items())
+        for request_id, engine in live:
+            await engine.abort(request_id)
+        return len(live)
 
     def has_room(self, episode: Episode, extra: int) -> bool:
         """Whether ``extra`` more tokens still leave room to sample at least one."""
@@ -108,6 +116,7 @@ class Turns:
         load = len(request.token_ids) - matched + params.max_tokens  # in-flight work: uncached prefill + decode
         replica = episode.replica
         self.router.begin(replica, load)
+        self.live[request.request_id] = engine
         last: TokenChunk | None = None
         stream = engine.generate(request)
         try:
@@ -143,6 +152,7 @@ class Turns:
             ) from None
         finally:
             self.router.end(replica, load)
+            del self.live[request.request_id]
             if request.constraint is not None:  # (again on the normal path: the merge is idempotent)
                 record_masked_positions(episode.metadata, request.constraint, len(episode.token_ids))
             if turn.finish_reason is None:  # cancelled, timed out or failed: keep what we have

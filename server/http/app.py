@@ -55,8 +55,8 @@ ROUTES = (
     RouteSpec("POST", "/v1/sessions/{session_id}/end", sess.end_session, "End a session with rewards", EndBody),
     RouteSpec("POST", "/update_weights", sess.update_weights, "Load new weights (admin)", UpdateWeightsBody),
     RouteSpec("POST", "/reload_weights", sess.reload_weights, "Back to base weights (admin; 501)"),
-    RouteSpec("POST", "/pause", sess.pause, "Pause generation (admin; 501)", PauseBody),
-    RouteSpec("POST", "/resume", sess.resume, "Resume generation (admin; 501)"),
+    RouteSpec("POST", "/pause", sess.pause, "No new turn until /resume; mode=abort aborts running ones", PauseBody),
+    RouteSpec("POST", "/resume", sess.resume, "Resume generation (admin)"),
     RouteSpec("GET", "/health", sess.health, "200 while an engine replica is healthy", public=True),
     RouteSpec("GET", "/liveness", sess.liveness, "The process is up", public=True),
 )  # fmt: skip

@@ -4,8 +4,8 @@
   per-session API key usable as the Bearer token (scoped to that session only);
 - ``GET /v1/sessions/{id}/trajectory``: its trajectory as JSON (the content of gRPC ``EndEpisode``);
 - ``POST /v1/sessions/{id}/end``: end it with rewards; returns the final trajectory;
-- admin (prime-rl's names; admin tenants only when auth is on): ``POST /update_weights``; ``/reload_weights``,
-  ``/pause`` and ``/resume`` answer 501 (no engine adapter can pause or restore base weights yet);
+- admin (prime-rl's names; admin tenants only when auth is on): ``POST /update_weights``, ``/pause``, ``/resume``;
+  ``/reload_weights`` answers 501 (the bridge does not keep its engines' base weights);
 - ``GET /health`` (200 while a replica is healthy, else 503) and ``GET /liveness`` (the process is up).
 """
 
@@ -93,17 +93,18 @@ async def reload_weights(request: Request, door: FrontDoor) -> Response:
 
 
 async def pause(request: Request, door: FrontDoor) -> Response:
+    """Start no new turn (new calls wait for /resume); ``mode=abort`` also aborts the running turns (their
+    partial tokens stay in the sessions, finish reason abort); ``keep`` and ``wait`` let them finish."""
     body = await door.body(request, PauseBody)
     door.admin(request, "pause")
-    raise Unimplemented(
-        f"pause (mode={body.mode}) is not implemented: no engine adapter can hold in-flight requests; "
-        "weight updates are applied between two decode steps without pausing"
-    )
+    aborted = await door.bridge.pause(abort=body.mode == "abort")
+    return JSONResponse({"status": "paused", "mode": body.mode, "aborted": aborted})
 
 
 async def resume(request: Request, door: FrontDoor) -> Response:
     door.admin(request, "resume")
-    raise Unimplemented("resume is not implemented: the bridge never pauses (see POST /pause)")
+    door.bridge.resume()
+    return JSONResponse({"status": "ok"})
 
 
 # -- probes ---------------------------------------------------------------------------

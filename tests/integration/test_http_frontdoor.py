@@ -254,8 +254,9 @@ async def test_errors_of_auth_tenants_limits_and_admin(authed: Any, start_bridge
         _error(await http.post("/update_weights", json={"weight_dir": "/x"}, headers=bearer["alice"]), 403)
         up = await http.post("/update_weights", json={"weight_dir": "/x"}, headers=bearer["ops"])
         assert up.json() == {"status": "ok", "policy_version": 1} and server.bridge.policy_version == 1
-        for path in ("/pause", "/resume", "/reload_weights"):
-            assert "not implemented" in _error(await http.post(path, json={}, headers=bearer["ops"]), 501)["message"]
+        for path in ("/pause", "/resume"):  # admin only
+            _error(await http.post(path, json={}, headers=bearer["alice"]), 403)
+        assert "not implemented" in _error(await http.post("/reload_weights", headers=bearer["ops"]), 501)["message"]
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="bad", max_retries=0) as bad:
             with pytest.raises(openai.AuthenticationError):
                 await bad.models.list()
@@ -314,3 +315,24 @@ async def test_rl_client_opens_a_session_for_a_harness_and_fetches_its_trajector
     with pytest.raises(BridgeHTTPError) as info:
         await asyncio.to_thread(open_session, root, group_size=0)
     assert info.value.status == 400
+
+
+async def test_pause_abort_keeps_partial_tokens_and_new_calls_wait_for_resume(start_bridge: StartBridge) -> None:
+    server, _, base = await _open(start_bridge, engine={"type": "toy", "toy": {"token_delay_s": 0.02}})
+    gen = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 200, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        running = asyncio.create_task(http.post("/inference/v1/generate", json=gen, headers={"X-Session-ID": "a"}))
+        while not server.bridge.turns.live:  # the turn is streaming
+            await asyncio.sleep(0.01)
+        paused = await http.post("/pause", json={"mode": "abort"})
+        assert paused.json() == {"status": "paused", "mode": "abort", "aborted": 1}
+        done = (await running).json()["choices"][0]
+        assert done["finish_reason"] == "abort" and 0 < len(done["token_ids"]) < 200  # partial tokens returned
+        trajectory = (await http.get("/v1/sessions/a/trajectory")).json()
+        assert trajectory["token_ids"] == [1, 2, 3, *done["token_ids"]]  # ... and kept in the session
+        short = {**gen, "sampling_params": {"max_tokens": 2, "ignore_eos": True}}
+        waiting = asyncio.create_task(http.post("/inference/v1/generate", json=short, headers={"X-Session-ID": "b"}))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and server.bridge.paused  # held while paused
+        assert (await http.post("/resume")).json() == {"status": "ok"}
+        assert len((await waiting).json()["choices"][0]["token_ids"]) == 2
