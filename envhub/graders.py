@@ -5,7 +5,7 @@ it never raises for anything a model wrote). What ``S`` is depends on who grades
 
 - ``Answer`` (final answer text and the task's reference): the answer graders, registered by name
   (``register_grader`` / ``get_grader``; ``exact`` is built in) so an environment, an eval or a verifier
-  service picks one by id;
+  service picks one by id; ``constant`` (the sample's ``params["value"]``) is built in for smoke runs;
 - ``envhub.rewards.RewardContext`` (grader score, format, steps, tool time, trace): the env shaping terms;
 - ``grpo.rater.Rollout`` (turn texts, tool results, expected answer): the GRPO reward functions.
 
@@ -43,10 +43,11 @@ class Grader(Protocol[S_contra]):
 
 @dataclass(frozen=True, slots=True)
 class FnGrader(Generic[S]):
-    """A plain function under a name."""
+    """A plain function under a name (``version`` goes into signed verdicts: bump it when scores change)."""
 
     name: str
     fn: Callable[[S], float]
+    version: str = "1"
 
     def __call__(self, sample: S, /) -> float:
         return float(self.fn(sample))
@@ -183,6 +184,24 @@ def grade_exact(answer: str, reference: str) -> float:
 
 EXACT: Grader[Answer] = FnGrader("exact", lambda a: grade_exact(a.text, a.reference))
 
+
+class WithParams(Protocol):
+    """A sample that carries the caller's grader params (the verifier's ``VerdictSample``)."""
+
+    @property
+    def params(self) -> Mapping[str, Any]: ...
+
+
+def grade_constant(sample: WithParams) -> float:
+    """``params.value``, for tests and smoke runs of a scoring service."""
+    value = sample.params.get("value")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"params.value: the constant grader needs a number, got {value!r}")
+    return float(value)
+
+
+CONSTANT: Grader[WithParams] = FnGrader("constant", grade_constant)
+
 _REGISTRY: dict[str, Grader[Any]] = {}
 
 
@@ -206,3 +225,4 @@ def grader_names() -> tuple[str, ...]:
 
 
 register_grader(EXACT)
+register_grader(CONSTANT)

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from engines.config import EngineType
 from engines.launch import add_engine_parser, run_engine_command
+from envhub.verifier.cli import add_verifier_parser, run_verifier
 from placement.mig.cli import add_placement_parser, run_placement
 from server.config import load_settings
 from server.requestid import RequestIdFilter
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", help="redis:// URL of the shared index")
     serve.add_argument("--log-level", default="INFO", help="logging level")
     add_placement_parser(sub)
+    add_verifier_parser(sub)
     add_engine_parser(sub)
     token = sub.add_parser(
         "hash-token", help="print an auth entry TENANT:SHA256HEX for a bearer token read from stdin (or --new)"
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "placement":
         return run_placement(args)
+    if args.command == "verifier":
+        return run_verifier(args)
     if args.command == "engine":
         return run_engine_command(args)
     if args.command == "hash-token":
