@@ -90,7 +90,8 @@ def create_app(
         message = f"{request.method} {request.url.path}: " + (
             "no such route" if status == 404 else "method not allowed"
         )
-        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
+        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        return JSONResponse(body, status, headers=getattr(exc, "headers", None))  # a 405 names the Allow-ed methods
 
     async def bug(request: Request, exc: Exception) -> Response:
         return error_response(exc)

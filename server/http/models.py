@@ -8,10 +8,22 @@ bridge's ``SamplingOverrides``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+# What ``/v1/completions`` takes as ``prompt``, as openapi.json documents it: text or ids, non-empty; the batch
+# forms with exactly one prompt. The route checks it itself (400s that say "one prompt per call", "empty").
+_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        _IDS,
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": _IDS, "minItems": 1, "maxItems": 1},
+    ],
+    "description": "Text or token ids; the batch forms hold one prompt (a session is one history).",
+}
 SEED = Field(None, ge=0, lt=2**63, description="Seed (the bridge takes seeds in [0, 2**63)).")
 
 
@@ -95,7 +107,7 @@ class ChatBody(Sampling):
 class CompletionBody(Sampling):
     """``POST /v1/completions`` (one prompt: text or token ids)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 

@@ -62,7 +62,8 @@ def _operation(spec: RouteSpec, refs: dict[Any, Any]) -> dict[str, Any]:
         op["parameters"] = params
     if spec.body is not None:
         schema = refs[(spec.body, "validation")]
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+        required = any(f.is_required() for f in spec.body.model_fields.values())  # else an empty body is {}
+        op["requestBody"] = {"required": required, "content": {"application/json": {"schema": schema}}}
     ok = "201" if spec.path == "/v1/sessions" else "200"
     op["responses"] = {ok: {"description": "success", "content": {"application/json": {"schema": {"type": "object"}}}}}
     if spec.path == "/health":

@@ -193,8 +193,9 @@ def _prompt_ids(door: FrontDoor, prompt: str | list[int] | list[str] | list[list
     if isinstance(prompt, str):
         if door.bridge.tokenizer is None:
             raise BadParam("prompt", f"engine {door.bridge.info.engine!r} has no tokenizer: send token ids")
-        return door.bridge.tokenizer.encode(prompt)
-    ids = [int(x) for x in prompt]  # type: ignore[arg-type]
+        ids = door.bridge.tokenizer.encode(prompt)
+    else:
+        ids = [int(x) for x in prompt]  # type: ignore[arg-type]
     if not ids:
         raise BadParam("prompt", "the prompt is empty")
     return ids

@@ -13,9 +13,11 @@ Planning (``Runner.begin``):
 - anything else is a fork: a new episode (branch) from the request's history, counted in
   ``primerl_http_forks`` and in the episode's metadata ``http.forks``; the old branch is kept, never spliced.
 
-Driving (``Runner.run``): the choices' Steps run concurrently; a stop string ends a choice's Step early
-(its turn closes as ABORT with the tokens sampled so far, the visible text ends before the match). The
-call's session is released when every Step is closed, whatever happened (error, disconnect, cancel).
+Driving (``Runner.run``): the choices' Steps run concurrently, a group's members each under its own request
+id (``<id>.<index>``: engine request ids derive from it and must be unique among running requests); a stop
+string ends a choice's Step early (its turn closes as ABORT with the tokens sampled so far, the visible text
+ends before the match). The call's session is released when every Step is closed, whatever happened
+(error, disconnect, cancel).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from server.http.errors import BadParam
 from server.http.models import ChatMessage
 from server.http.render import canonical, engine_messages
 from server.http.sessions import Session, SessionRegistry
+from server.requestid import current_request_id
 from server.steps import StepHandle
 
 log = logging.getLogger("primerl.server.http")
@@ -221,7 +224,9 @@ class Runner:
         ``on_done`` records the session's state (chat: its messages) before the session is released.
         """
         try:
-            await asyncio.gather(*(self._drive(c, stops, queue) for c in choices))
+            rid = current_request_id.get()
+            ids = [f"{rid}.{c.index}" if len(choices) > 1 and rid else None for c in choices]
+            await asyncio.gather(*(self._drive(c, stops, queue, i) for c, i in zip(choices, ids, strict=True)))
             if on_done is not None and not any(c.error for c in choices):
                 on_done(choices)
             return choices
@@ -238,8 +243,14 @@ class Runner:
                     queue.put_nowait((c.index, None))
 
     async def _drive(
-        self, c: Choice, stops: Sequence[str], queue: asyncio.Queue[tuple[int, int | None]] | None
+        self,
+        c: Choice,
+        stops: Sequence[str],
+        queue: asyncio.Queue[tuple[int, int | None]] | None,
+        request_id: str | None = None,
     ) -> None:
+        if request_id is not None:  # this task's own context (gather runs each coroutine as a task)
+            current_request_id.set(request_id)
         updates = c.handle.updates()
         try:
             async for u in updates:
