@@ -96,7 +96,11 @@ def test_the_fuzzed_schema_is_the_served_one(bridge: BridgeThread) -> None:
     assert served["paths"]["/v1/sessions"]["post"]["requestBody"]["required"] is False
     assert served["paths"]["/v1/chat/completions"]["post"]["requestBody"]["required"] is True
     r = httpx.request("TRACE", f"{bridge.url}/v1/models", headers=AUTH, timeout=10)
-    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD"} and r.json()["error"]["code"] == 405
+    assert (
+        r.status_code == 405
+        and set(r.headers["allow"].split(", ")) == {"GET", "HEAD"}
+        and r.json()["error"]["code"] == 405
+    )
 
 
 # The one 5xx the schema documents: the bridge keeps no base weights to go back to (answered 501 with the
