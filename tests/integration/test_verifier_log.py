@@ -8,7 +8,6 @@ and the public keys, and by the log itself when it reopens.
 from __future__ import annotations
 
 import base64
-import itertools
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,10 +23,11 @@ from envhub.verifier.log import TransparencyLog
 from envhub.verifier.statement import Verdict
 from envhub.verifier.store import LogCorrupted, LogStore
 from envhub.verifier.verify import VerificationError, audit, parse_keys, verify_consistency, verify_entry
-from tests.integration.postgres_proc import PrivatePostgres
+from tests.integration.verifier_db import db_url
 
 ORIGIN = "test.local/verifier"
-_db_counter = itertools.count()
+
+__all__ = ["db_url"]  # the fixture, parametrized over SQLite and PostgreSQL
 
 OpenLog = Callable[..., TransparencyLog]
 
@@ -44,17 +44,6 @@ def statement(i: int) -> dict[str, Any]:
         started_at="2026-01-01T00:00:00+00:00",
         grade_seconds=0.0,
     ).statement()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'log.sqlite3'}"
-    pg: PrivatePostgres = request.getfixturevalue("postgres_server")
-    name = f"vlog{next(_db_counter)}"
-    with psycopg.connect(pg.dsn("postgres"), autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    return f"postgresql://postgres@127.0.0.1:{pg.port}/{name}"
 
 
 @pytest.fixture
