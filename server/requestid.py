@@ -10,12 +10,14 @@ the engine's own request log.
 from __future__ import annotations
 
 import contextvars
+import itertools
 import logging
 import os
 
 HEADER = "x-request-id"
 MAX_LENGTH = 128  # a client's id is used as given up to this length (engines log it; keep lines sane)
 
+_SEQUENCE = itertools.count()
 current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("primerl_request_id", default="")
 
 
@@ -27,9 +29,13 @@ def new_request_id(sent: str = "") -> str:
 
 
 def engine_request_id(turn_index: int) -> str:
-    """The id of one engine request: the RPC's id and the turn (an env Step runs several turns)."""
+    """The id of one engine request: ``<call's id>-<turn>-<n>``.
+
+    The turn tells the turns of one env Step apart; ``n`` (a counter of this process) makes the id unique even
+    when clients send the same ``x-request-id`` on concurrent calls, since engines key their requests by it.
+    """
     rid = current_request_id.get() or os.urandom(16).hex()  # "" outside an RPC (tests driving the bridge directly)
-    return f"{rid}-{turn_index}"
+    return f"{rid}-{turn_index}-{next(_SEQUENCE)}"
 
 
 class RequestIdFilter(logging.Filter):

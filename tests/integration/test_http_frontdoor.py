@@ -322,7 +322,9 @@ async def test_pause_abort_keeps_partial_tokens_and_new_calls_wait_for_resume(st
     gen = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 200, "ignore_eos": True}}
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         running = asyncio.create_task(http.post("/inference/v1/generate", json=gen, headers={"X-Session-ID": "a"}))
-        while not server.bridge.turns.live:  # the turn is streaming
+        for _ in range(500):  # until the turn is streaming
+            if server.bridge.turns.live:
+                break
             await asyncio.sleep(0.01)
         paused = await http.post("/pause", json={"mode": "abort"})
         assert paused.json() == {"status": "paused", "mode": "abort", "aborted": 1}

@@ -1,13 +1,14 @@
 """The request id of an RPC (set by the server's interceptor) reaches the engine request, the logs and the span.
 
 A client that sends ``x-request-id`` finds its id in the engine's request ids (one per turn:
-``<id>-<turn>``) and in every log line the bridge wrote while serving the call; a client that sends
+``<id>-<turn>-<n>``) and in every log line the bridge wrote while serving the call; a client that sends
 none gets a fresh id per call. The engine here is the real toy engine, subclassed only to keep the
 request ids it was asked to generate.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -64,9 +65,22 @@ async def test_the_clients_request_id_names_each_engine_request(
     await _step(stub, episode, (("x-request-id", "trainer-7f3b"),))
     await _step(stub, episode)  # no id sent: the server makes one
     await _step(stub, episode)
-    assert engine.request_ids[:2] == ["trainer-7f3a-0", "trainer-7f3b-1"]
-    fresh = [rid.rsplit("-", 1)[0] for rid in engine.request_ids[2:]]
-    assert all(len(rid) == 32 for rid in fresh) and fresh[0] != fresh[1], engine.request_ids
+    calls = [rid.rsplit("-", 2) for rid in engine.request_ids]  # <call's id>-<turn>-<n>
+    assert [c[:2] for c in calls[:2]] == [["trainer-7f3a", "0"], ["trainer-7f3b", "1"]]
+    assert all(len(c[0]) == 32 for c in calls[2:]) and calls[2][0] != calls[3][0], engine.request_ids
+    assert len(set(engine.request_ids)) == 4
+
+
+async def test_concurrent_calls_with_one_client_id_get_distinct_engine_ids(
+    served: tuple[RecordingToy, pb_grpc.PrimeRLStub],
+) -> None:
+    """Engines key requests by id: a client reusing its x-request-id on concurrent calls must not collide."""
+    engine, stub = served
+    start = await stub.StartEpisode(pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT), group_size=4))
+    same = (("x-request-id", "same"),)
+    await asyncio.gather(*(_step(stub, ep, same) for ep in start.episode_ids))
+    assert len(engine.request_ids) == 4 and len(set(engine.request_ids)) == 4
+    assert all(rid.startswith("same-0-") for rid in engine.request_ids)
 
 
 async def test_log_lines_written_during_a_call_carry_its_request_id(
