@@ -155,6 +155,7 @@ def _write_new(directory: Path) -> SigningKey:
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
+    key = SigningKey._wrap(key.private, target.stat().st_mtime)  # created_at as KeyRing.open will read it
     tmp = directory / "ACTIVE.tmp"
     tmp.write_text(key.public.keyid + "\n")
     tmp.replace(directory / "ACTIVE")  # atomic: a crash leaves the old or the new active key, never neither
