@@ -95,6 +95,7 @@ class EmbeddedEngine:
             eos_token_ids=loaded.tokenizer.eos_token_ids,
             replica=replica,
             capabilities=frozenset(Capability),  # every one: raw logprobs, min-p, masks, drafts, weight swaps
+            base_weights=loaded.model_dir,
         )
         self.counters = EngineCounters(extra={"kv_bytes": 0, "kv_evictions": 0, "deferred_decode_tokens": 0})
         self._version = 0

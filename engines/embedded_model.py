@@ -60,6 +60,7 @@ class Loaded:
     tokenizer: HFTokenizer
     name: str
     max_model_len: int
+    model_dir: str = ""  # the checkpoint directory it was loaded from
 
 
 def load_model(config: EmbeddedConfig, model: str) -> Loaded:
@@ -83,4 +84,4 @@ def load_model(config: EmbeddedConfig, model: str) -> Loaded:
     limit = int(getattr(hf_model.config, "max_position_embeddings", config.max_model_len))
     path = Path(model).expanduser() if model else None
     name = path.name if path is not None and path.exists() else (model or DEFAULT_MODEL_NAME)
-    return Loaded(hf_model, HFTokenizer(hf_tokenizer, eos_ids), name, min(config.max_model_len, limit))
+    return Loaded(hf_model, HFTokenizer(hf_tokenizer, eos_ids), name, min(config.max_model_len, limit), str(model_dir))

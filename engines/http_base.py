@@ -132,6 +132,7 @@ class RemoteEngine:
             eos_token_ids=facts.eos_token_ids,
             capabilities=self.declared_capabilities(),
             replica=replica or shown,
+            base_weights=facts.model_dir,  # the served checkpoint (the same path on the engine's host)
         )
 
     # -- Engine protocol: properties -------------------------------------------------------

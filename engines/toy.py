@@ -63,6 +63,7 @@ tool call result query error done yes
 """.split()  # noqa: SIM905 - a word list reads better as text
 
 
+TOY_BASE_WEIGHTS = "toy:base"  # the toy's own name for its initial tables (EngineInfo.base_weights)
 CAPABILITIES = frozenset({Capability.RAW_LOGPROBS, Capability.MIN_P, Capability.DRAFT_VERIFY})
 
 
@@ -113,6 +114,7 @@ class ToyEngine:
         # exp(bigram + trigram) = exp(bigram) * exp(trigram): plain sampling (temperature 1, no top-k/top-p)
         # needs one product per token instead of add, max, subtract and exp.
         self._exp_bigram = np.exp(self._bigram)
+        self._base_bigram = self._bigram
         self._exp_trigram = np.exp(self._trigram)
         self._rng = np.random.default_rng(config.seed + 1)
         self._aborted: set[str] = set()
@@ -127,6 +129,7 @@ class ToyEngine:
             eos_token_ids=(END,),
             replica=replica,
             capabilities=CAPABILITIES | ({Capability.WEIGHT_UPDATES} if config.supports_weight_updates else set()),
+            base_weights=TOY_BASE_WEIGHTS,
         )
 
     @property
@@ -268,8 +271,11 @@ class ToyEngine:
 
     async def update_weights(self, update: WeightUpdate) -> None:
         """The toy "weights" are its seed: a new version perturbs the tables deterministically."""
-        rng = np.random.default_rng([self.config.seed, update.policy_version])
-        self._bigram = self._bigram + rng.normal(0.0, 0.5, size=self._bigram.shape)
+        if update.checkpoint_path == TOY_BASE_WEIGHTS:  # back to the tables it started with
+            self._bigram = self._base_bigram
+        else:
+            rng = np.random.default_rng([self.config.seed, update.policy_version])
+            self._bigram = self._bigram + rng.normal(0.0, 0.5, size=self._bigram.shape)
         self._exp_bigram = np.exp(self._bigram)
         self._version = update.policy_version
 

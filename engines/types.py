@@ -269,6 +269,9 @@ class EngineInfo:
     # What the engine can do (``Capability``); a request needing anything else is refused by
     # ``check_capabilities`` instead of being served without it.
     capabilities: frozenset[Capability] = frozenset()
+    # The checkpoint the engine started from, as ``WeightUpdate.checkpoint_path`` takes it ("" = unknown: the
+    # bridge cannot take it back to its base weights).
+    base_weights: str = ""
 
     @property
     def supports_weight_updates(self) -> bool:

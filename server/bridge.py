@@ -432,3 +432,7 @@ class Bridge:
     async def update_weights(self, checkpoint_path: str, policy_version: int, keep_kv: bool, model: str = "") -> int:
         self._check_model(model)
         return await self.weights.update(checkpoint_path, policy_version, keep_kv)
+
+    async def reload_weights(self, policy_version: int = 0) -> int:
+        """Back to the weights the engines started from, as a new policy version (prime-rl's reload_weights)."""
+        return await self.weights.reload(policy_version)

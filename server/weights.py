@@ -42,18 +42,33 @@ class Weights:
 
     async def update(self, checkpoint_path: str, policy_version: int, keep_kv: bool) -> int:
         """Load a checkpoint on every replica; returns the new version (``policy_version`` or current + 1)."""
+        return await self._apply([checkpoint_path] * len(self.engines), policy_version, keep_kv)
+
+    async def reload(self, policy_version: int = 0) -> int:
+        """Take every replica back to the weights it started from, as a new version (the KV of the trained
+        weights is not reused: a new version salts the prefix cache anew)."""
+        missing = [e.info.replica for e in self.engines if not e.info.base_weights]
+        if missing:
+            raise Unimplemented(
+                f"engine {self.engines[0].info.engine!r} replicas {missing} do not know the weights they started "
+                "from; load them with UpdateWeights (POST /update_weights) and their checkpoint directory"
+            )
+        return await self._apply([e.info.base_weights for e in self.engines], policy_version, False)
+
+    async def _apply(self, paths: list[str], policy_version: int, keep_kv: bool) -> int:
         version = policy_version or self.version + 1
         self._check(version)
         info = self.engines[0].info
         if not info.supports_weight_updates:
             raise Unimplemented(f"engine {info.engine!r} cannot load new weights at run time")
-        update = WeightUpdate(checkpoint_path=checkpoint_path, policy_version=version, keep_kv=keep_kv)
         async with self._lock:
             self._check(version)  # another update may have landed while this one waited
             done: list[str] = []
-            for i, engine in enumerate(self.engines):
+            for i, (engine, path) in enumerate(zip(self.engines, paths, strict=True)):
                 try:
-                    await engine.update_weights(update)
+                    await engine.update_weights(
+                        WeightUpdate(checkpoint_path=path, policy_version=version, keep_kv=keep_kv)
+                    )
                 except EngineError as exc:
                     self._mark(i, False, f"weight update to version {version} failed: {exc.message}")
                     if not done:

@@ -54,7 +54,7 @@ ROUTES = (
     RouteSpec("GET", "/v1/sessions/{session_id}/trajectory", sess.trajectory, "A session's trajectory"),
     RouteSpec("POST", "/v1/sessions/{session_id}/end", sess.end_session, "End a session with rewards", EndBody),
     RouteSpec("POST", "/update_weights", sess.update_weights, "Load new weights (admin)", UpdateWeightsBody),
-    RouteSpec("POST", "/reload_weights", sess.reload_weights, "Back to base weights (admin; 501)"),
+    RouteSpec("POST", "/reload_weights", sess.reload_weights, "Back to the base weights as a new version (admin)"),
     RouteSpec("POST", "/pause", sess.pause, "No new turn until /resume; mode=abort aborts running ones", PauseBody),
     RouteSpec("POST", "/resume", sess.resume, "Resume generation (admin)"),
     RouteSpec("GET", "/health", sess.health, "200 while an engine replica is healthy", public=True),

@@ -4,8 +4,8 @@
   per-session API key usable as the Bearer token (scoped to that session only);
 - ``GET /v1/sessions/{id}/trajectory``: its trajectory as JSON (the content of gRPC ``EndEpisode``);
 - ``POST /v1/sessions/{id}/end``: end it with rewards; returns the final trajectory;
-- admin (prime-rl's names; admin tenants only when auth is on): ``POST /update_weights``, ``/pause``, ``/resume``;
-  ``/reload_weights`` answers 501 (the bridge does not keep its engines' base weights);
+- admin (prime-rl's names; admin tenants only when auth is on): ``POST /update_weights``, ``/reload_weights``
+  (back to the weights the engines started from, as a new version), ``/pause``, ``/resume``;
 - ``GET /health`` (200 while a replica is healthy, else 503) and ``GET /liveness`` (the process is up).
 """
 
@@ -16,7 +16,7 @@ import logging
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engines.errors import NotFound, Unimplemented
+from engines.errors import NotFound
 from engines.types import SamplingOverrides
 from server.http.context import Caller, FrontDoor
 from server.http.errors import BadParam
@@ -85,11 +85,11 @@ async def update_weights(request: Request, door: FrontDoor) -> Response:
 
 
 async def reload_weights(request: Request, door: FrontDoor) -> Response:
+    """Back to the base weights (those the engines started from), as a new policy version."""
     door.admin(request, "reload_weights")
-    raise Unimplemented(
-        "reload_weights is not implemented: the bridge does not keep its engines' base weights; "
-        "POST /update_weights with the base checkpoint's directory instead"
-    )
+    version = await door.bridge.reload_weights()
+    log.info("weights reloaded to the base checkpoint as policy version %d (HTTP)", version)
+    return JSONResponse({"status": "ok", "policy_version": version})
 
 
 async def pause(request: Request, door: FrontDoor) -> Response:

@@ -197,3 +197,19 @@ async def test_sampling_merges_server_defaults_then_episode_then_step(start_brid
     turn = await client.step(ep, sampling={"min_p": 0.0, "max_tokens": 2, "ignore_eos": True})
     assert len(turn.token_ids) == 2  # the Step's max_tokens, not the server's 5
     assert episode.sampling.min_p == 0.3  # a Step's override lasts one turn
+
+
+async def test_reload_weights_goes_back_to_the_base_weights_as_a_new_version(start_bridge) -> None:  # type: ignore[no-untyped-def]
+    server, client = await start_bridge(engine={"type": "toy", "toy": {"supports_weight_updates": True}})
+    greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+
+    async def sample() -> list[int]:
+        ep = (await client.start_episode(PROMPT, sampling=greedy)).episode_id
+        return list((await client.step(ep)).token_ids)
+
+    base = await sample()
+    assert await client.update_weights() == 1
+    trained = await sample()
+    assert trained != base  # the toy's update perturbs its tables
+    assert await server.bridge.reload_weights() == 2  # a new version: KV of the trained weights is never reused
+    assert await sample() == base
