@@ -120,6 +120,13 @@ class MerkleTree:
             raise ProofError(f"tree size {size} is outside 0..{self.size}")
 
 
+def _to_right_child(fn: int, sn: int) -> tuple[int, int]:
+    """RFC 9162: "if LSB(fn) is not set, right-shift both fn and sn equally until either LSB(fn) is set or fn is 0"."""
+    while fn and not fn & 1:
+        fn, sn = fn >> 1, sn >> 1
+    return fn, sn
+
+
 def root_from_inclusion(index: int, size: int, leaf_h: bytes, proof: list[bytes]) -> bytes:
     """The root an inclusion proof leads to (RFC 9162 §2.1.3.2); ProofError if malformed."""
     if not 0 <= index < size:
@@ -130,9 +137,7 @@ def root_from_inclusion(index: int, size: int, leaf_h: bytes, proof: list[bytes]
             raise ProofError("inclusion proof has a malformed or superfluous hash")
         if fn & 1 or fn == sn:
             r = node_hash(p, r)
-            if not fn & 1:
-                while fn and not fn & 1:
-                    fn, sn = fn >> 1, sn >> 1
+            fn, sn = _to_right_child(fn, sn)
         else:
             r = node_hash(r, p)
         fn, sn = fn >> 1, sn >> 1
@@ -171,9 +176,7 @@ def verify_consistency(first: int, second: int, first_root: bytes, second_root: 
             raise ProofError("consistency proof has superfluous hashes")
         if fn & 1 or fn == sn:
             fr, sr = node_hash(c, fr), node_hash(c, sr)
-            if not fn & 1:
-                while fn and not fn & 1:
-                    fn, sn = fn >> 1, sn >> 1
+            fn, sn = _to_right_child(fn, sn)
         else:
             sr = node_hash(sr, c)
         fn, sn = fn >> 1, sn >> 1

@@ -233,3 +233,21 @@ def test_key_rotation_keeps_old_entries_verifiable(open_log: OpenLog, tmp_path: 
     with pytest.raises(VerificationError, match="no signature by a known key"):
         only_new = [k for k in keys if k.keyid == new_key.keyid]
         verify_entry(old.to_json(), inclusion(again, 0, 2), note, only_new)
+
+
+def test_cli_audit_and_rotate_key(open_log: OpenLog, db_url: str, tmp_path: Path) -> None:
+    from server.cli import main
+
+    log = open_log()
+    first = log.keyring.active.public.keyid
+    log.append([statement(i) for i in range(3)])
+    audit_argv = ["verifier", "audit", "--database-url", db_url, "--origin", ORIGIN]
+    assert main(audit_argv) == 0
+    assert main(["verifier", "rotate-key", "--key-dir", str(tmp_path / "keys")]) == 0
+    log.store.close()
+    rotated = open_log()
+    assert rotated.keyring.active.public.keyid != first
+    rotated.append([statement(3)])
+    assert main(audit_argv) == 0  # entries of both keys verify
+    sql(db_url, "UPDATE verifier_entries SET keyid = ? WHERE idx = 0", (rotated.keyring.active.public.keyid,))
+    assert main(audit_argv) == 1  # the row now claims the wrong signer
