@@ -33,6 +33,7 @@ class Bench:
 
 MATRIX: tuple[Bench, ...] = (
     Bench("bridge_overhead", "bridge vs the toy engine in-process", ("--steps", "200", "--seconds", "4")),
+    Bench("http_frontdoor", "HTTP front door vs in-process and gRPC", ("--turns", "200", "--seconds", "4")),
     Bench(
         "embedded_engine",
         "stateful vs re-prefill, 8 vs 1 episodes, load",
