@@ -93,3 +93,27 @@ async def test_health_checks_rotate_replicas_and_drive_grpc_health(replicas: Any
         assert await _status(bridge_server.port) == health_pb2.HealthCheckResponse.SERVING
         ep = (await client.start_episode(PROMPT)).episode_id
         assert bridge_server.bridge.store.get(ep, "").replica == 0
+
+
+async def test_an_engine_failure_reaches_an_http_client_as_a_503_with_openai_error_json(replicas: Any) -> None:
+    """The HTTP front door maps the same failure (UNAVAILABLE) to 503 and OpenAI's error JSON; the partial
+    tokens stay in the session."""
+    import httpx
+
+    from engines.launch import free_port
+
+    engines = [_adapter(server.url, toy, f"r{i}") for i, (_, server, toy) in enumerate(replicas)]
+    async with bridge_over(engines, http={"port": free_port()}) as (bridge_server, _):
+        base = f"http://127.0.0.1:{bridge_server.http_port}"
+        gen = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 40, "ignore_eos": True, "seed": 3}}
+        for sg, _, _ in replicas:
+            sg.faults.drop_after_tokens = 5  # whichever replica the session lands on goes away mid-stream
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            r = await http.post("/inference/v1/generate", json=gen, headers={"X-Session-ID": "s"})
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == 503 and err["type"] == "service_unavailable_error" and "dropped" in err["message"]
+            for sg, _, _ in replicas:
+                sg.faults.drop_after_tokens = None
+            trajectory = (await http.get("/v1/sessions/s/trajectory")).json()
+            assert trajectory["token_ids"][: len(PROMPT)] == PROMPT and len(trajectory["token_ids"]) > len(PROMPT)
