@@ -13,6 +13,7 @@ Layout::
     openenv.py    OpenEnv HTTP facade (create_app) and client (OpenEnvClient)
     connectors/   sql (SQLite, PostgreSQL), sandbox (bubblewrap), http (SSRF-safe), browser
     envs/         the ready environments
+    verifier/     the verifier service: signed verdicts in a tamper-evident log (``primerl verifier``)
 
 Importing the package imports neither Playwright, psycopg nor Starlette.
 """

@@ -13,9 +13,13 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -119,15 +123,31 @@ async def serve(config: VerifierConfig, ready: asyncio.Event | None = None) -> N
         if ready is not None:
             ready.set()
         serving = asyncio.create_task(server.serve(sockets=[sock]), name="verifier-http")
-        try:
-            await asyncio.shield(serving)
-        except asyncio.CancelledError:  # stop uvicorn the graceful way: it closes its listener and connections
-            server.should_exit = True
-            await serving
-            raise
+        with _signals_end_serving():
+            try:
+                await asyncio.shield(serving)
+            except asyncio.CancelledError:  # stop uvicorn the graceful way: it closes its listener and connections
+                server.should_exit = True
+                await serving
+                raise
     finally:
         sock.close()
         await verifier.close()
+
+
+@contextmanager
+def _signals_end_serving() -> Iterator[None]:
+    """uvicorn stops on SIGINT/SIGTERM, then re-raises the signal under the handlers it found: make those a
+    no-op so the log closes and the command exits 0 instead of dying by the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _read_json(path: str) -> Any:

@@ -166,3 +166,35 @@ async def test_batch_items_fail_alone_on_their_deadline(verifier: httpx.AsyncCli
     assert [x["receipt"]["log_index"] for x in (results[0], results[2])] == [0, 1]
     one = await post(verifier, "/v1/score", items[1])
     assert one.status_code == 504 and "grader_timeout_s" in one.json()["error"]["message"]
+
+
+def test_primerl_verifier_serve_process_keeps_its_log_across_restarts(tmp_path: Path) -> None:
+    """The real command: serve, score, SIGTERM (clean exit), serve again on the same files, verify."""
+    import signal
+    import subprocess
+    import sys
+
+    def run_once(value: float) -> dict[str, Any]:
+        port = free_port()
+        cmd = [sys.executable, "-m", "server", "verifier", "serve", "--http-port", str(port)]
+        cmd += ["--database-url", f"sqlite:///{tmp_path / 'log.sqlite3'}", "--key-dir", str(tmp_path / "keys")]
+        with subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) as proc:
+            try:
+                assert proc.stderr is not None and "primerl verifier: http://" in proc.stderr.readline()
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+                    scored = c.post("/v1/score", content=json.dumps(_score(value))).json()
+                    size = c.get("/v1/log/checkpoint").json()["tree_size"]
+                    proof = c.get("/v1/log/proof/inclusion", params={"index": 0, "tree_size": size}).json()
+                    kept = {"checkpoint": c.get("/v1/log/checkpoint").json(), "keys": c.get("/v1/keys").json()}
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(20) == 0  # graceful: uvicorn drained, the log closed
+        return {"scored": scored, "proof": proof, **kept}
+
+    first = run_once(0.25)
+    second = run_once(0.5)
+    assert first["scored"]["receipt"]["log_index"] == 0 and second["scored"]["receipt"]["log_index"] == 1
+    for name, body in {"envelope": first["scored"], "proof": second["proof"], **second}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(body))
+    files = ("envelope", "proof", "checkpoint", "keys")
+    assert main(["verifier", "verify", *(x for n in files for x in (f"--{n}", str(tmp_path / f"{n}.json")))]) == 0
