@@ -52,12 +52,13 @@ def parse_keys(data: object) -> list[PublicKey]:
 
 
 def _hashes(values: object, what: str) -> list[bytes]:
-    if not isinstance(values, list):
-        raise VerificationError(f"{what}: 'hashes' must be a list of base64 strings")
+    """Base64 strings decoded (hashes of a proof, a leaf, a leaf hash); VerificationError naming ``what``."""
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise VerificationError(f"{what}: expected base64 strings")
     try:
         return [base64.b64decode(v, validate=True) for v in values]
-    except (binascii.Error, TypeError) as exc:
-        raise VerificationError(f"{what}: a hash is not base64 ({exc})") from exc
+    except binascii.Error as exc:
+        raise VerificationError(f"{what}: not base64 ({exc})") from exc
 
 
 def _leaf_of(entry: Mapping[str, Any]) -> tuple[bytes, int | None, bytes | None]:
@@ -65,13 +66,10 @@ def _leaf_of(entry: Mapping[str, Any]) -> tuple[bytes, int | None, bytes | None]
     if isinstance(entry.get("receipt"), dict):  # a POST /v1/score response
         entry = entry["receipt"]
     claimed_index = entry.get("log_index")
-    claimed_hash = base64.b64decode(entry["leaf_hash"]) if isinstance(entry.get("leaf_hash"), str) else None
+    claimed_hash = _hashes([entry["leaf_hash"]], "leaf_hash")[0] if "leaf_hash" in entry else None
     envelope = entry.get("envelope", entry if "payload" in entry else None)
-    if isinstance(entry.get("leaf"), str):  # GET /v1/log/entries/{i}: the exact stored bytes
-        try:
-            leaf = base64.b64decode(entry["leaf"], validate=True)
-        except binascii.Error as exc:
-            raise VerificationError(f"leaf is not base64 ({exc})") from exc
+    if "leaf" in entry:  # GET /v1/log/entries/{i}: the exact stored bytes
+        leaf = _hashes([entry["leaf"]], "leaf")[0]
     elif envelope is not None:
         leaf = canonical_json(envelope)
     else:

@@ -156,3 +156,17 @@ def test_constant_grader_returns_params_value() -> None:
             grader(VerdictSample(Trajectory.model_validate(TRAJ), bad))
     exact = get_grader("exact")
     assert exact(VerdictSample(Trajectory.model_validate(TRAJ), {"answer": "4", "reference": "4"})) == 1.0
+
+
+def test_graders_declared_by_entry_point_are_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    from envhub.graders import FnGrader, grader_names
+    from envhub.verifier import service
+
+    class EntryPoint:
+        def load(self) -> Any:
+            return FnGrader("ep-length", lambda s: float(len(s.trajectory.token_ids)))
+
+    monkeypatch.setattr(service, "entry_points", lambda group: [EntryPoint()] if group == "primerl.graders" else [])
+    assert service.load_entry_point_graders() == ["ep-length"]
+    assert "ep-length" in grader_names() and service.load_entry_point_graders() == []  # once
+    assert get_grader("ep-length")(VerdictSample(Trajectory.model_validate(TRAJ), {})) == 2.0
