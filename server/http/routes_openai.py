@@ -11,7 +11,6 @@ member session per choice (``session_ids``).
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from collections.abc import Iterable
@@ -34,7 +33,6 @@ from server.http.render import (
 )
 from server.http.runner import Call, Choice, total_usage
 from server.http.sessions import Session
-from server.http.sse import stream
 
 
 class Progress:
@@ -102,12 +100,9 @@ async def chat_completions(request: Request, door: FrontDoor) -> Response:
 
     head = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()), "model": door.bridge.info.model}
     headers = {SESSION_HEADER: session.id}
-    if body.stream:
-        queue: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
-        task = asyncio.create_task(door.runner.run(session, choices, call.stops, queue, on_done))
-        chunks = _ChatChunks(door, body, choices, head, parse)
-        return stream(task, queue, len(choices), chunks, chunks.tail, headers)
-    await door.runner.run(session, choices, call.stops, None, on_done)
+    chunks = _ChatChunks(door, body, choices, head, parse) if body.stream else None
+    if streamed := await door.runner.respond(session, choices, call.stops, chunks, headers, on_done):
+        return streamed
     _raise_first_error(choices)
     out = {**head, "object": "chat.completion", "choices": [_chat_choice(door, body, c) for c in choices]}
     out["usage"] = total_usage(choices)
@@ -219,12 +214,9 @@ async def completions(request: Request, door: FrontDoor) -> Response:
     choices = await door.runner.begin(session, call)
     head = {"id": "cmpl-" + secrets.token_hex(12), "created": int(time.time()), "model": door.bridge.info.model}
     headers = {SESSION_HEADER: session.id}
-    if body.stream:
-        queue: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
-        task = asyncio.create_task(door.runner.run(session, choices, call.stops, queue))
-        chunks = _CompletionChunks(door, body, choices, head)
-        return stream(task, queue, len(choices), chunks, chunks.tail, headers)
-    await door.runner.run(session, choices, call.stops)
+    chunks = _CompletionChunks(door, body, choices, head) if body.stream else None
+    if streamed := await door.runner.respond(session, choices, call.stops, chunks, headers):
+        return streamed
     _raise_first_error(choices)
     out = {**head, "object": "text_completion", "choices": [_completion_choice(door, body, c) for c in choices]}
     out["usage"] = total_usage(choices)

@@ -15,7 +15,6 @@ bridge salts every prefix-cache key with the tenant and policy version itself.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,7 +27,6 @@ from server.http.models import GenerateBody
 from server.http.params import stops, vllm_sampling
 from server.http.render import logprob_content
 from server.http.runner import Call, Choice, total_usage
-from server.http.sse import stream
 from server.requestid import current_request_id
 
 
@@ -43,12 +41,9 @@ async def generate(request: Request, door: FrontDoor) -> Response:
     rid = body.request_id or current_request_id.get()
     with_logprobs = params.logprobs is not None
     headers = {SESSION_HEADER: session.id}
-    if body.stream:
-        queue: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
-        task = asyncio.create_task(door.runner.run(session, choices, call.stops, queue))
-        chunks = _Chunks(door, choices, rid, with_logprobs)
-        return stream(task, queue, len(choices), chunks, chunks.tail, headers)
-    await door.runner.run(session, choices, call.stops)
+    chunks = _Chunks(door, choices, rid, with_logprobs) if body.stream else None
+    if streamed := await door.runner.respond(session, choices, call.stops, chunks, headers):
+        return streamed
     for c in choices:
         if c.error is not None:
             raise c.error

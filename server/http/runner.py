@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from starlette.responses import StreamingResponse
+
 from engines.errors import PrimeRLError
 from engines.types import NO_OVERRIDES, FinishReason, SamplingOverrides
 from observability.metrics import BridgeMetrics
@@ -38,6 +40,7 @@ from server.http.errors import BadParam
 from server.http.models import ChatMessage
 from server.http.render import canonical, engine_messages
 from server.http.sessions import Session, SessionRegistry
+from server.http.sse import Chunks, stream
 from server.requestid import current_request_id
 from server.steps import StepHandle
 
@@ -210,6 +213,24 @@ class Runner:
         return choices
 
     # -- driving ------------------------------------------------------------------------
+
+    async def respond(
+        self,
+        session: Session,
+        choices: list[Choice],
+        stops: Sequence[str],
+        chunks: Chunks | None,
+        headers: dict[str, str],
+        on_done: Callable[[list[Choice]], None] | None = None,
+    ) -> StreamingResponse | None:
+        """Stream the call's choices as server-sent events through ``chunks``; without ``chunks``, run them to
+        the end here and return None (the caller builds the JSON response)."""
+        if chunks is not None:
+            return stream(
+                lambda queue: self.run(session, choices, stops, queue, on_done), len(choices), chunks, headers
+            )
+        await self.run(session, choices, stops, None, on_done)
+        return None
 
     async def run(
         self,

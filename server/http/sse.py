@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from typing import Any, Protocol
 
 from starlette.responses import StreamingResponse
 
 from server.http.errors import error_event
 
-Chunks = Callable[[int, int | None], Iterable[dict[str, Any]]]
+
+class Chunks(Protocol):
+    """Turns a choice's progress into events: ``(index, n new tokens)``, ``(index, None)`` when it ends; ``tail``
+    gives the events after every choice ended (usage)."""
+
+    def __call__(self, index: int, count: int | None) -> Iterable[dict[str, Any]]: ...
+
+    def tail(self) -> Iterable[dict[str, Any]]: ...
 
 
 def event(data: dict[str, Any]) -> str:
@@ -24,9 +31,8 @@ def event(data: dict[str, Any]) -> str:
 
 
 async def _events(
-    task: asyncio.Task[Any], queue: asyncio.Queue[tuple[int, int | None]], n: int, chunks: Chunks,
-    tail: Callable[[], Iterable[dict[str, Any]]],
-) -> AsyncIterator[str]:  # fmt: skip
+    task: asyncio.Task[Any], queue: asyncio.Queue[tuple[int, int | None]], n: int, chunks: Chunks
+) -> AsyncIterator[str]:
     try:
         done = 0
         while done < n:
@@ -35,7 +41,7 @@ async def _events(
             for chunk in chunks(index, count):
                 yield event(chunk)
         await task  # a bug in the task surfaces here, as an error event
-        for chunk in tail():
+        for chunk in chunks.tail():
             yield event(chunk)
     except Exception as exc:  # noqa: BLE001 - sent to the client as vLLM does: an error event, then [DONE]
         yield error_event(exc)
@@ -47,12 +53,15 @@ async def _events(
 
 
 def stream(
-    task: asyncio.Task[Any], queue: asyncio.Queue[tuple[int, int | None]], n: int, chunks: Chunks,
-    tail: Callable[[], Iterable[dict[str, Any]]], headers: dict[str, str],
+    run: Callable[[asyncio.Queue[tuple[int, int | None]]], Coroutine[Any, Any, Any]], n: int, chunks: Chunks,
+    headers: dict[str, str],
 ) -> StreamingResponse:  # fmt: skip
-    """The SSE response of a running call with ``n`` choices."""
+    """The SSE response of a call with ``n`` choices: ``run(queue)`` (``Runner.run``) runs in its own task and
+    reports each choice's progress on the queue, which ``chunks`` turns into events."""
+    queue: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
+    task = asyncio.create_task(run(queue))
     return StreamingResponse(
-        _events(task, queue, n, chunks, tail),
+        _events(task, queue, n, chunks),
         media_type="text/event-stream",
         headers={"cache-control": "no-cache", **headers},
     )
