@@ -77,6 +77,7 @@ async def test_score_then_verify_offline_with_the_cli(verifier: httpx.AsyncClien
     assert r.status_code == 200, r.text
     scored = r.json()
     assert scored["reward"] == 0.75 and scored["receipt"]["log_index"] == 0
+    early = (await verifier.get("/v1/log/checkpoint")).json()  # a checkpoint the client kept at tree size 1
     await asyncio.gather(*(post(verifier, "/v1/score", _score(i, episode_id=f"e{i}")) for i in range(6)))
     checkpoint = (await verifier.get("/v1/log/checkpoint")).json()
     assert checkpoint["tree_size"] == 7 and checkpoint["origin"] == "t/log"
@@ -91,6 +92,13 @@ async def test_score_then_verify_offline_with_the_cli(verifier: httpx.AsyncClien
         (tmp_path / f"{name}.json").write_text(json.dumps(body))
     argv = ["verifier", "verify", *(x for n in files for x in (f"--{n}", str(tmp_path / f"{n}.json")))]
     assert main(argv) == 0
+    consistency = (await verifier.get("/v1/log/proof/consistency", params={"first": 1, "second": 7})).json()
+    (tmp_path / "old.json").write_text(json.dumps(early))
+    (tmp_path / "consistency.json").write_text(json.dumps(consistency))
+    extend = ["--old-checkpoint", str(tmp_path / "old.json"), "--consistency", str(tmp_path / "consistency.json")]
+    assert main([*argv, *extend]) == 0
+    (tmp_path / "consistency.json").write_text(json.dumps({**consistency, "hashes": consistency["hashes"][1:]}))
+    assert main([*argv, *extend]) == 1
     scored["receipt"]["envelope"]["payload"] = base64.b64encode(b'{"_type": "forged"}').decode()
     (tmp_path / "envelope.json").write_text(json.dumps(scored))
     assert main(argv) == 1
