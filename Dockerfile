@@ -61,7 +61,8 @@ CMD ["8000"]
 FROM base AS bridge
 ENV PRIMERL_SERVER__HOST=0.0.0.0 \
     PRIMERL_SERVER__PORT=50051 \
-    PRIMERL_METRICS__PORT=9300
+    PRIMERL_METRICS__PORT=9300 \
+    PRIMERL_HTTP__PORT=8000
 # bubblewrap isolates the env hub's code sandbox (it refuses to run without it; the runtime
 # must allow unprivileged user namespaces). The sandbox's interpreter defaults to this image's
 # /usr/local/bin/python3. Debian's security updates move the version, so it is not pinned.
@@ -70,7 +71,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 USER 10001
-EXPOSE 50051 9300
+EXPOSE 50051 9300 8000
 # SERVING only once every engine replica is healthy (the embedded model loads at start).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
     CMD ["python", "/app/scripts/grpc_health.py"]

@@ -64,7 +64,7 @@ def test_compose_file_parses_with_compose_v2_and_has_the_documented_services() -
     bridge = services["primerl"]
     assert bridge["build"]["target"] == "bridge"
     published = {(p["target"], p["published"]) for p in bridge["ports"]}
-    assert published == {(50051, "50051"), (9300, "9300")}
+    assert published == {(50051, "50051"), (9300, "9300"), (8000, "8080")}  # gRPC, metrics, HTTP front door
     assert bridge["depends_on"]["redis"]["condition"] == "service_healthy"
     assert bridge["depends_on"]["engine"]["required"] is False
     for name in ("redis", "primerl", "prometheus", "grafana"):
@@ -381,3 +381,19 @@ def test_schema_validation_does_catch_a_broken_manifest() -> None:
     bridge["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 1  # a typo
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bridge, KUBE_VERSIONS[0], strict=True)
+
+
+def test_chart_serves_the_http_front_door_on_its_own_port_and_can_turn_it_off() -> None:
+    for port in (8000, 0):
+        docs = render({"bridge": {"httpPort": port}})
+        (deployment,) = [d for d in by_kind(docs, "Deployment").values() if d["metadata"]["name"].endswith("bridge")]
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["PRIMERL_HTTP__PORT"] == str(port)
+        (service,) = [s for s in by_kind(docs, "Service").values() if s["metadata"]["name"].endswith("bridge")]
+        http = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+        container_http = [p for p in container["ports"] if p["name"] == "http"]
+        if port:
+            assert http[0]["port"] == 8000 and container_http[0]["containerPort"] == 8000
+        else:
+            assert not http and not container_http
