@@ -45,6 +45,7 @@ MATRIX: tuple[Bench, ...] = (
     Bench("speculation", "drafters vs off on tool calls (embedded)", ("--episodes", "4", "--max-tokens", "64")),
     Bench("placement", "MIG placement: heuristic vs ILP", ("--instances", "40", "--exact-limit", "0")),
     Bench("load", "1,000 concurrent streaming episodes", ("--episodes", "200")),
+    Bench("verifier", "signed verdicts appended to the Merkle log", ("--n", "500")),
 )
 
 
