@@ -251,11 +251,14 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
     async def UpdateWeights(
         self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
+        before = self.bridge.policy_version
         try:
             version = await self.bridge.update_weights(
                 request.checkpoint_path, request.policy_version, request.keep_kv, request.model
             )
         except Exception as exc:
+            if self.bridge.policy_version != before:  # applied on some replicas: the client must not retry it
+                await context.send_initial_metadata(ACCEPTED_METADATA)
             await _abort(context, exc)
             raise
         log.info("weights updated to policy version %d from %r", version, request.checkpoint_path)

@@ -3,7 +3,8 @@
 Invariants:
 - versions only move forward: one update at a time, each strictly greater than the current version;
 - replicas never serve mixed versions: a replica whose update failed leaves rotation until an update
-  reaches it (``mark``), and the error says which replicas were updated.
+  reaches it (``mark``; the health check keeps it out while it is behind), and the error says which
+  replicas were updated. A failed replica does not stop the update of the others.
 """
 
 from __future__ import annotations
@@ -64,18 +65,24 @@ class Weights:
         async with self._lock:
             self._check(version)  # another update may have landed while this one waited
             done: list[str] = []
+            failed: list[tuple[str, EngineError]] = []
             for i, (engine, path) in enumerate(zip(self.engines, paths, strict=True)):
                 try:
                     await engine.update_weights(
                         WeightUpdate(checkpoint_path=path, policy_version=version, keep_kv=keep_kv)
                     )
                 except EngineError as exc:
+                    # Go on with the others: one dead replica must not hold every replica at the old version.
                     self._mark(i, False, f"weight update to version {version} failed: {exc.message}")
-                    if not done:
-                        raise
-                    raise EngineError(
-                        f"weights updated to version {version} on {done} but failed on {engine.info.replica!r} "
-                        f"({exc.message}); it is out of rotation until an update reaches it"
-                    ) from None
+                    failed.append((engine.info.replica, exc))
+                    continue
                 done.append(engine.info.replica)
+            if failed and not done:
+                raise failed[0][1]
+            if failed:
+                names = ", ".join(f"{name!r} ({exc.message})" for name, exc in failed)
+                raise EngineError(
+                    f"weights updated to version {version} on {done} but failed on {names}; "
+                    "out of rotation until an update reaches them"
+                )
         return version
