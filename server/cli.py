@@ -12,6 +12,8 @@ from pydantic import ValidationError
 
 from engines.config import EngineType
 from engines.launch import add_engine_parser, run_engine_command
+from envhub.llmserve.cli import add_llmserve_parser, run_llmserve
+from envhub.sandbox_check import add_sandbox_parser, run_sandbox
 from envhub.verifier.cli import add_verifier_parser, run_verifier
 from placement.mig.cli import add_placement_parser, run_placement
 from server.config import load_settings
@@ -55,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO", help="logging level")
     add_placement_parser(sub)
     add_verifier_parser(sub)
+    add_llmserve_parser(sub)
+    add_sandbox_parser(sub)
     add_engine_parser(sub)
     token = sub.add_parser(
         "hash-token", help="print an auth entry TENANT:SHA256HEX for a bearer token read from stdin (or --new)"
@@ -114,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_placement(args)
     if args.command == "verifier":
         return run_verifier(args)
+    if args.command == "llmserve":
+        return run_llmserve(args)
+    if args.command == "sandbox":
+        return run_sandbox(args)
     if args.command == "engine":
         return run_engine_command(args)
     if args.command == "hash-token":

@@ -1,0 +1,14 @@
+"""LLMServeEnv: an OpenEnv environment for learning LLM-serving policies (issue 20).
+
+Layout::
+
+    models.py    ServeAction, ServeObservation, ServeState, EpisodeLog (openenv-core types)
+    profiles.py  DistServe cost coefficients (published A100 profile), quantization tiers, GPUs
+    tasks.py     static_workload, bursty_workload (MMPP), adversarial_multitenant; seeded workloads
+    sim.py       the discrete-time serving simulator (KV from placement.mig.memory)
+    episode.py   one episode: simulator + shaped reward + observation
+    agents.py    random (floor) and heuristic (reference) policies
+    grader.py    replay an episode log; score in [0, 1] between floor and reference
+    env.py       openenv-core Environment; app.py its server; client.py LLMServeEnv (EnvClient)
+    cli.py       primerl llmserve serve
+"""

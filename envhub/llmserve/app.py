@@ -1,0 +1,100 @@
+"""The LLMServeEnv server: openenv-core's ``create_app`` plus ``/tasks``, ``/grader``, ``/baseline``.
+
+``uvicorn envhub.llmserve.app:app --port 7860`` or ``primerl llmserve serve``. openenv-core gives
+``/reset``, ``/step``, ``/state`` (stateless over HTTP), ``/ws`` (stateful sessions), ``/metadata``,
+``/health``, ``/schema`` and ``/mcp``. Errors: an unknown task -> 422 listing the tasks; a step on a
+finished episode -> 409; a log that does not grade -> 422.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from openenv.core.env_server.http_server import create_app
+from pydantic import BaseModel, Field
+
+from envhub.llmserve.agents import make_agent
+from envhub.llmserve.env import EpisodeArchive, EpisodeFinishedError, EpisodeNotStartedError, LLMServeEnvironment
+from envhub.llmserve.grader import EpisodeLogError, grade, run_agent
+from envhub.llmserve.models import EpisodeLog, ServeAction, ServeObservation
+from envhub.llmserve.tasks import TASKS, UnknownTaskError
+
+MAX_SESSIONS = 64
+BASELINE_SEEDS = (0, 1, 2)
+
+
+class GraderRequest(BaseModel):
+    """Grade a finished episode by id (the latest finished one when empty) or an explicit log."""
+
+    episode_id: str | None = Field(default=None, description="a finished episode of this server")
+    episode_log: EpisodeLog | None = Field(default=None, description="an episode log to replay and grade")
+
+
+def _tasks() -> dict[str, Any]:
+    return {
+        "tasks": [
+            {
+                "task_id": t.task_id,
+                "difficulty": t.difficulty,
+                "description": t.description,
+                "episode_length": t.episode_length,
+                "window_s": t.window_s,
+            }
+            for t in TASKS.values()
+        ],
+        "action_schema": ServeAction.model_json_schema(),
+    }
+
+
+def _baseline() -> dict[str, Any]:
+    rows = []
+    for task_id in TASKS:
+        for name in ("random", "heuristic"):
+            scores = [grade(run_agent(make_agent(name, s), task_id, s)).score for s in BASELINE_SEEDS]
+            rows.append({"task_id": task_id, "agent": name, "seeds": list(BASELINE_SEEDS), "scores": scores})
+    return {"baseline": rows}
+
+
+def build_app(archive: EpisodeArchive | None = None) -> FastAPI:
+    archive = archive or EpisodeArchive()
+    app = create_app(
+        lambda: LLMServeEnvironment(archive), ServeAction, ServeObservation, env_name="llmserve",
+        max_concurrent_envs=MAX_SESSIONS,
+    )  # fmt: skip
+
+    async def unknown_task(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "tasks": list(TASKS)}, status_code=422)
+
+    async def finished(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    app.add_exception_handler(UnknownTaskError, unknown_task)
+    app.add_exception_handler(EpisodeFinishedError, finished)
+    app.add_exception_handler(EpisodeNotStartedError, finished)
+
+    @app.get("/tasks", tags=["LLMServeEnv"])
+    def tasks() -> dict[str, Any]:
+        return _tasks()
+
+    @app.post("/grader", tags=["LLMServeEnv"])
+    def grader(req: GraderRequest | None = None) -> dict[str, Any]:
+        req = req or GraderRequest()
+        log = req.episode_log or archive.get(req.episode_id)
+        if log is None:
+            raise HTTPException(404, f"no finished episode {req.episode_id or ''}".strip())
+        try:
+            g = grade(log)
+        except (EpisodeLogError, UnknownTaskError) as exc:
+            raise HTTPException(422, str(exc)) from exc
+        return {**g.__dict__}
+
+    @app.get("/baseline", tags=["LLMServeEnv"])
+    def baseline() -> dict[str, Any]:
+        return _baseline()
+
+    return app
+
+
+app = build_app()
