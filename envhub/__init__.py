@@ -13,6 +13,8 @@ Layout::
     openenv.py    OpenEnv HTTP facade (create_app) and client (OpenEnvClient)
     connectors/   sql (SQLite, PostgreSQL), sandbox (bubblewrap), http (SSRF-safe), browser
     envs/         the ready environments
+    policies/     declared sandbox policies (YAML, validated, digested): default, grader
+    sandbox_check.py  the escape suite (``primerl sandbox check POLICY``)
     verifier/     the verifier service: signed verdicts in a tamper-evident log (``primerl verifier``)
 
 Importing the package imports neither Playwright, psycopg nor Starlette.

@@ -94,12 +94,14 @@ class ToolEnvironment:
 
     Subclasses set ``name``, ``system_prompt``, ``tasks`` and register tools with
     ``add_tool``; the final answer is graded by ``grader`` (an answer grader, default ``exact``;
-    or override ``grade(task, answer) -> float in [0, 1]``) and shaped by ``rubric``.
+    or override ``grade(task, answer) -> float in [0, 1]``) and shaped by ``rubric``. Code its tools
+    run goes through the sandbox under ``sandbox_policy`` (a shipped policy's name, ``envhub.policies``).
     """
 
     name = "tool-env"
     system_prompt = ""
     grader: Grader[Answer] = EXACT
+    sandbox_policy = "default"
 
     def __init__(self, tasks: tuple[Task, ...], rubric: Shaping | None = None) -> None:
         if not tasks:

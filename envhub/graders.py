@@ -14,6 +14,10 @@ A ``Rubric[S]`` combines weighted graders into one reward with a per-term breakd
 GRPO group per ``mode``: ``absolute`` (each member's own total), ``group_relative`` (min-max to [0, 1] inside
 the group) or ``pareto`` (1.0 for the non-dominated front down to 0.0 for the last). A rubric is itself a
 grader, so rubrics nest and register like any other.
+
+Every grader declares the sandbox policy its code runs under: a ``sandbox_policy`` attribute naming a
+shipped policy (``envhub.policies``) or holding a ``SandboxPolicy``, ``grader`` when absent. The verifier
+signs that policy's digest into each verdict; ``register_grader`` refuses a grader whose policy does not load.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from engines.errors import InvalidArgument
+from envhub.policies import DEFAULT_GRADER_POLICY, SandboxPolicy, policy_digest
 
 S = TypeVar("S")
 S_contra = TypeVar("S_contra", contravariant=True)
@@ -43,11 +48,13 @@ class Grader(Protocol[S_contra]):
 
 @dataclass(frozen=True, slots=True)
 class FnGrader(Generic[S]):
-    """A plain function under a name (``version`` goes into signed verdicts: bump it when scores change)."""
+    """A plain function under a name (``version`` and the ``sandbox_policy``'s digest go into signed verdicts:
+    bump the version when scores change)."""
 
     name: str
     fn: Callable[[S], float]
     version: str = "1"
+    sandbox_policy: str | SandboxPolicy = DEFAULT_GRADER_POLICY
 
     def __call__(self, sample: S, /) -> float:
         return float(self.fn(sample))
@@ -82,6 +89,8 @@ def pareto_fronts(points: Sequence[Sequence[float]]) -> list[int]:
 
 class Rubric(Generic[S]):
     """Weighted graders combined into one reward; ``rate_group`` applies ``mode`` across a GRPO group."""
+
+    sandbox_policy: str | SandboxPolicy = DEFAULT_GRADER_POLICY
 
     def __init__(
         self,
@@ -205,10 +214,17 @@ CONSTANT: Grader[WithParams] = FnGrader("constant", grade_constant)
 _REGISTRY: dict[str, Grader[Any]] = {}
 
 
+def grader_policy_digest(grader: Grader[Any]) -> str:
+    """The digest of the sandbox policy ``grader`` declares (``grader`` when it declares none)."""
+    return policy_digest(getattr(grader, "sandbox_policy", DEFAULT_GRADER_POLICY))
+
+
 def register_grader(grader: Grader[Any]) -> None:
-    """Register ``grader`` under its name (a name is registered once: ids stay stable)."""
+    """Register ``grader`` under its name (a name is registered once: ids stay stable); its declared
+    sandbox policy must load."""
     if _REGISTRY.get(grader.name, grader) is not grader:
         raise InvalidArgument(f"a grader named {grader.name!r} is already registered")
+    grader_policy_digest(grader)
     _REGISTRY[grader.name] = grader
 
 

@@ -14,6 +14,10 @@ Layers (see reference spec C2):
 4. a seccomp deny list (``connectors.seccomp``: ptrace, mount, bpf, keyctl, ...; x86_64);
 5. stdout+stderr capped; exceeding the cap kills the process.
 
+Every run is under a ``SandboxPolicy`` (``envhub.policies``): its mounts, limits and seccomp deny list
+are the bwrap arguments, rlimits and BPF program below; the sandbox runs the ``default`` policy unless
+given another, with the limits set explicitly in ``[envhub.sandbox]`` on top (``under_config``).
+
 Without a working bubblewrap the sandbox refuses to run (``ToolError(kind="unavailable")``)
 unless the config says ``isolation="none"`` and ``allow_unisolated=true``. Only a successful
 bubblewrap probe is remembered; a failed one (bwrap's error, a timeout, a missing ``setpriv``)
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 from engines.errors import ToolError
 from envhub.config import SandboxConfig
 from envhub.connectors import seccomp
+from envhub.policies import SandboxPolicy, load_policy, under_config
 
 # Runs inside the sandbox: sets hard rlimits, then executes the code read from stdin.
 _BOOT = r"""
@@ -105,43 +110,50 @@ def default_python() -> str:
 
 
 class CodeSandbox:
-    """Runs Python code; one fresh process per ``run`` call."""
+    """Runs Python code under ``policy`` (a policy or a shipped policy's name); one fresh process per ``run``."""
 
-    def __init__(self, config: SandboxConfig | None = None) -> None:
+    def __init__(self, config: SandboxConfig | None = None, policy: SandboxPolicy | str = "default") -> None:
         self.config = config or SandboxConfig()
+        self.policy = under_config(policy if isinstance(policy, SandboxPolicy) else load_policy(policy), self.config)
         self.python = self.config.python or default_python()
         self._works = False  # bubblewrap built a sandbox here once (failures are not remembered)
 
     def _limits(self) -> list[str]:
-        c = self.config
+        c = self.policy.limits
         mib = 1024 * 1024
-        limits = (c.cpu_s, c.memory_mb * mib, c.max_file_mb * mib, c.max_processes, c.max_open_files)
+        limits = (c.cpu_s, c.memory_mb * mib, c.file_size_mb * mib, c.pids, c.open_files)
         return [str(v) for v in limits]
 
     def _seccomp_fd(self) -> int | None:
         """A memfd holding the BPF program (inherited by bwrap), or None when not in use."""
-        if self.config.isolation != "bwrap" or not self.config.seccomp or not seccomp.supported():
+        deny = self.policy.syscalls.deny
+        if self.config.isolation != "bwrap" or not deny or not seccomp.supported():
             return None
         fd = os.memfd_create("envhub-seccomp", 0)
-        os.write(fd, seccomp.deny_list_program())
+        os.write(fd, seccomp.deny_list_program(tuple(seccomp.DENIED_X86_64[name] for name in deny)))
         os.lseek(fd, 0, os.SEEK_SET)
         return fd
 
     def _bwrap_argv(self, inner: list[str], seccomp_fd: int | None) -> list[str]:
-        c = self.config
+        c, fs = self.config, self.policy.filesystem
         argv: list[str] = []
         if os.geteuid() == 0:
             setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
             argv += [setpriv, f"--reuid={c.run_as_uid}", f"--regid={c.run_as_uid}", "--clear-groups", "--"]
         argv += [c.bwrap_path, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
-        argv += ["--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+        argv += ["--new-session", "--cap-drop", "ALL", "--hostname", "sandbox"]
+        for path in fs.read_only:
+            argv += ["--ro-bind", path, path]
+        for path in fs.read_write:
+            argv += ["--bind", path, path]
         for link in ("bin", "lib", "lib64", "sbin"):
             if os.path.islink(f"/{link}"):
                 argv += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
-        size = str(c.workdir_mb * 1024 * 1024)
-        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/work", "--size", size]
-        argv += ["--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/work", "--clearenv"]
-        argv += ["--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work", "--setenv", "LANG", "C.UTF-8"]
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        for mount in fs.tmpfs:
+            argv += ["--size", str(mount.size_mb * 1024 * 1024), "--tmpfs", mount.path]
+        argv += ["--remount-ro", "/", "--chdir", fs.workdir, "--clearenv"]
+        argv += ["--setenv", "PATH", "/usr/bin", "--setenv", "HOME", fs.workdir, "--setenv", "LANG", "C.UTF-8"]
         if seccomp_fd is not None:
             argv += ["--seccomp", str(seccomp_fd)]
         return [*argv, "--", *inner]
@@ -241,7 +253,7 @@ class CodeSandbox:
 
         timed_out = False
         try:
-            async with asyncio.timeout(self.config.wall_s):
+            async with asyncio.timeout(self.policy.limits.wall_s):
                 await asyncio.gather(feed(), pump(proc.stdout, out), pump(proc.stderr, err))
                 await proc.wait()
         except TimeoutError:

@@ -27,6 +27,7 @@ PYTHON_TOOL = string_tool(
 
 class CodeMathEnv(ToolEnvironment):
     name = "code-math"
+    sandbox_policy = "default"  # run_python's sandbox (envhub/policies/default.yaml)
     system_prompt = (
         "Solve the math question. You may run Python with the run_python tool: write "
         f"{format_call('run_python', {'code': 'print(1 + 1)'})}. "
@@ -45,4 +46,6 @@ class CodeMathEnv(ToolEnvironment):
 
 
 def make(config: EnvHubConfig) -> CodeMathEnv:
-    return CodeMathEnv(CodeSandbox(config.sandbox), load_tasks("code_math", config.tasks_dir))
+    return CodeMathEnv(
+        CodeSandbox(config.sandbox, CodeMathEnv.sandbox_policy), load_tasks("code_math", config.tasks_dir)
+    )

@@ -25,6 +25,7 @@ SQL_TOOL = string_tool(
 
 class SqlQaEnv(ToolEnvironment):
     name = "sql-qa"
+    sandbox_policy = "default"  # its tools run in process (no code is sandboxed); declared for the hub's audit
 
     def __init__(self, db: SqliteReadOnly, tasks: tuple[Task, ...], rubric: Shaping | None = None) -> None:
         super().__init__(tasks, rubric)

@@ -33,6 +33,7 @@ BROWSER_TOOLS = (
 
 class WebBrowseEnv(ToolEnvironment):
     name = "web-browse"
+    sandbox_policy = "default"  # its tools run in process (no code is sandboxed); declared for the hub's audit
 
     def __init__(
         self, config: BrowserConfig, site_url: str, tasks: tuple[Task, ...], rubric: Shaping | None = None

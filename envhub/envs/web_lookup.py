@@ -64,6 +64,7 @@ def html_to_text(html: str) -> str:
 
 class WebLookupEnv(ToolEnvironment):
     name = "web-lookup"
+    sandbox_policy = "default"  # its tools run in process (no code is sandboxed); declared for the hub's audit
 
     def __init__(
         self, client: SafeHttpClient, site_url: str, tasks: tuple[Task, ...], rubric: Shaping | None = None

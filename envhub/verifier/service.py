@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from engines.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, PrimeRLError
-from envhub.graders import get_grader, grader_names, register_grader
+from envhub.graders import get_grader, grader_names, grader_policy_digest, register_grader
 from envhub.verifier.config import VerifierConfig
 from envhub.verifier.keys import KeyRing
 from envhub.verifier.log import Receipt, TransparencyLog
@@ -169,6 +169,7 @@ class Verifier:
             policy_version=req.trajectory.policy_version,
             started_at=started,
             grade_seconds=round(time.perf_counter() - t0, 6),
+            sandbox_policy_digest=grader_policy_digest(grader),
         )
 
     async def score_batch(self, reqs: Sequence[ScoreRequest]) -> list[ScoreResult | PrimeRLError]:
