@@ -264,8 +264,9 @@ class Bridge:
         With persistence the Step holds the episode's lease from here until ``StepHandle.close``,
         starts from the newest persisted record, and writes the record back once its turn is closed.
         """
+        deadline = None if req.deadline_s is None else asyncio.get_running_loop().time() + req.deadline_s
         if not self._serving.is_set():
-            await self._wait_for_resume(req.deadline_s)
+            await self._wait_for_resume(deadline)
         leased = await self.episodes.lease(req.episode_id)
         try:
             await self.episodes.sync(req.episode_id)
@@ -276,7 +277,7 @@ class Bridge:
             raise
         handle: StepHandle | None = None
         try:
-            handle = self._validated_step(req, leased)
+            handle = self._validated_step(req, leased, deadline)
             handle.episode.busy = True  # validated: from here on the episode changes, and the turn is always closed
             episode = handle.episode
             await self.router.route(
@@ -300,7 +301,7 @@ class Bridge:
                     await self.episodes.unlease(req.episode_id)
             raise
 
-    def _validated_step(self, req: StepRequest, leased: bool) -> StepHandle:
+    def _validated_step(self, req: StepRequest, leased: bool, deadline: float | None) -> StepHandle:
         """Every check of a Step, before anything changes; the handle of the Step if it passes."""
         episode = self.store.get(req.episode_id, req.tenant)
         if episode.busy:
@@ -323,13 +324,12 @@ class Bridge:
             observation = list(req.observation_ids or ())
             check_token_ids(observation, self.info.vocab_size, "observation_token_ids")
         self.admit.check_length(len(episode.token_ids) + len(observation), "the episode history")
-        now = asyncio.get_running_loop().time()
         return StepHandle(
             episode=episode,
             turns=self.turns,
             params=params,
             step_seed=req.sampling.seed is not None,
-            deadline=None if req.deadline_s is None else now + req.deadline_s,
+            deadline=deadline,  # the whole Step's, a wait while paused included
             release=self._release_step,
             hold_last=self.journal is not None,
             observation=observation,
@@ -369,9 +369,9 @@ class Bridge:
         self._serving.set()
         log.info("resumed")
 
-    async def _wait_for_resume(self, deadline_s: float | None) -> None:
+    async def _wait_for_resume(self, deadline: float | None) -> None:
         try:
-            async with asyncio.timeout(deadline_s):
+            async with asyncio.timeout_at(deadline):
                 await self._serving.wait()
         except TimeoutError:
             raise DeadlineExceeded("the bridge is paused (POST /resume) and the Step's deadline passed") from None
