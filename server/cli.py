@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -114,18 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # its own flags (bench/matrix.py), passed through
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "placement":
-        return run_placement(args)
-    if args.command == "verifier":
-        return run_verifier(args)
-    if args.command == "llmserve":
-        return run_llmserve(args)
-    if args.command == "sandbox":
-        return run_sandbox(args)
-    if args.command == "engine":
-        return run_engine_command(args)
-    if args.command == "hash-token":
-        return _hash_token(args)
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "placement": run_placement,
+        "verifier": run_verifier,
+        "llmserve": run_llmserve,
+        "sandbox": run_sandbox,
+        "engine": run_engine_command,
+        "hash-token": _hash_token,
+    }
+    if (run := commands.get(args.command)) is not None:  # every subcommand but serve
+        return run(args)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
     )
