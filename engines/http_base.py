@@ -306,8 +306,9 @@ class RemoteEngine:
                 await self.refresh_models()
         except PrimeRLError as exc:
             return EngineHealth(False, exc.message)
-        try:  # engine-side statistics ride on the periodic health check (never fail it)
+        try:  # engine-side statistics and the served version ride on the periodic health check (never fail it)
             await self.refresh_stats()
+            await self.refresh_version()
         except PrimeRLError as exc:
             log.debug("%s: statistics not available: %s", self.label, exc.message)
         return EngineHealth(True, f"{self.label} serves {self.served_model_name!r}")
@@ -316,6 +317,11 @@ class RemoteEngine:
     # counter key; and the series of the KV cache's usage as a fraction (exported as parts per million).
     stat_counters: ClassVar[dict[str, str]] = {}
     kv_usage_series: ClassVar[str] = ""
+
+    async def refresh_version(self) -> None:
+        """Correct ``policy_version`` from the engine where it reports the version it serves (a restarted engine
+        serves its base weights again); engines without such an endpoint keep what the adapter sent last."""
+        return None
 
     async def refresh_stats(self) -> None:
         """Copy the engine's statistics (``stat_counters``, ``kv_usage_series``) into ``counters.extra``."""

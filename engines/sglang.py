@@ -23,12 +23,15 @@ Invariants
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
 from engines.config import SglangConfig
 from engines.errors import Aborted, InvalidArgument
 from engines.http_base import Delta, RemoteEngine, StreamState
 from engines.types import Capability, FinishReason, GenerateRequest, Usage, WeightUpdate
+
+log = logging.getLogger("primerl.engines")
 
 CACHE_METRICS = ("sglang:cached_tokens_total", "sglang:prompt_tokens_total")
 
@@ -158,6 +161,16 @@ class SglangEngine(RemoteEngine):
             if body.get("success") is not True:
                 raise InvalidArgument(f"{self.label} could not load {update.checkpoint_path!r}: {body.get('message')}")
             self._version = update.policy_version
+
+    async def refresh_version(self) -> None:
+        """``GET /get_weight_version``: "default" (its start-up weights) is version 0. A replica restarted after a
+        weight update reports less than the adapter sent; the bridge then keeps it out of rotation."""
+        body = self.wire.obj(await self.get_json("/get_weight_version"), "get_weight_version")
+        reported = str(body.get("weight_version", ""))
+        served = int(reported) if reported.isdigit() else 0
+        if served != self._version:
+            log.warning("%s serves weight version %r, not %d (restarted?)", self.label, reported, self._version)
+            self._version = served
 
     async def cache_stats(self) -> dict[str, float]:
         """``sglang:cached_tokens_total`` / ``sglang:prompt_tokens_total`` (needs ``--enable-metrics``)."""

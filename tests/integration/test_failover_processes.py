@@ -167,6 +167,27 @@ async def test_a_replica_that_missed_a_weight_update_stays_out_until_one_reaches
         assert served == {0: 2, 1: 2}
 
 
+async def test_a_replica_restarted_after_a_weight_update_is_kept_out_until_an_update_reaches_it(
+    processes: list[StandinProcess], tmp_path: Path
+) -> None:
+    """A restart loses the loaded weights: SGLang then reports weight version "default"; the adapter believes it
+    instead of what it sent last, so the bridge keeps the replica out rather than label old-weight tokens new."""
+    engines = [_adapter("sglang", p.url, f"r{i}") for i, p in enumerate(processes)]
+    async with bridge_over(engines, **QUIET) as (bridge_server, client):
+        bridge = bridge_server.bridge
+        assert await client.update_weights(str(tmp_path), policy_version=1) == 1  # both replicas at version 1
+        processes[0].kill()
+        processes[0].restart()  # back on its start-up weights
+        assert await bridge_server.check_health()
+        assert bridge.engines[0].policy_version == 0 and bridge.router.replicas.healthy == [False, True]
+        for _ in range(3):
+            new = (await client.start_episode(PROMPT, sampling=NEW)).episode_id
+            assert bridge.store.get(new, "").replica == 1 and (await client.step(new)).policy_version == 1
+        assert await client.update_weights(str(tmp_path), policy_version=2) == 2
+        assert await bridge_server.check_health()
+        assert bridge.router.replicas.healthy == [True, True]
+
+
 # -- a real vLLM --------------------------------------------------------------------------------
 
 
