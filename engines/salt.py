@@ -16,6 +16,7 @@ alphabet (vLLM) hash the string; the salt is opaque to them otherwise.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 _SEP = "|"
@@ -52,3 +53,10 @@ class CacheSalt:
         if len(parts) < 3 or not (parts[2].isascii() and parts[2].isdigit()) or (len(parts) == 4 and not parts[3]):
             return None
         return cls(parts[0], int(parts[2]), parts[1], parts[3] if len(parts) == 4 else "")
+
+
+@functools.lru_cache(maxsize=4096)
+def salt_text(model: str, policy_version: int, tenant: str = "") -> str:
+    """``str(CacheSalt(model, policy_version, tenant=tenant))``, memoised: the bridge salts every turn, and the
+    (model, version, tenant) combinations in play are few."""
+    return str(CacheSalt(model, policy_version, tenant=tenant))

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from cache import CacheConfig
 from engines.base import Engine
-from engines.salt import CacheSalt
+from engines.salt import salt_text
 from engines.types import Capability, Message, Origin, SamplingParams, check_capabilities, check_token_ids
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
@@ -129,7 +129,7 @@ class Bridge:
     @staticmethod
     def _salt(tenant: str, model: str, version: int) -> str:
         """Salt of prefix-cache keys: per tenant and per policy version (stale KV is never matched)."""
-        return str(CacheSalt(model, version, tenant=tenant))
+        return salt_text(model, version, tenant)
 
     def mark_replica(self, replica: int, healthy: bool, reason: str = "") -> None:
         """Take a replica out of rotation (a call failed, a health check did) or bring it back."""

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from engines.base import Engine
-from engines.salt import CacheSalt
+from engines.salt import salt_text
 from engines.types import Capability, FinishReason, GenerateRequest, Origin, SamplingParams, TokenChunk, Usage
 from observability.metrics import BridgeMetrics
 from server.calls import StepUpdate
@@ -100,7 +100,7 @@ class Turns:
             episode_id=episode.id,
             group_id=episode.routing_group,
             # Salted per tenant too: cached-token counts must not reveal another tenant's prompts.
-            cache_salt=str(CacheSalt(episode.model, turn.policy_version, tenant=episode.tenant)),
+            cache_salt=salt_text(episode.model, turn.policy_version, episode.tenant),
             drafter=drafter,
             constraint=constraint,
         )
