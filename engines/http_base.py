@@ -71,7 +71,7 @@ from engines.types import (
     Usage,
     WeightUpdate,
 )
-from engines.wire import Wire, iter_sse, parse_prometheus
+from engines.wire import Wire, counter_values, iter_sse, parse_prometheus
 
 log = logging.getLogger("primerl.engines")
 # ---------------------------------------------------------------------------------------------
@@ -319,22 +319,15 @@ class RemoteEngine:
     kv_usage_series: ClassVar[str] = ""
 
     async def refresh_version(self) -> None:
-        """Correct ``policy_version`` from the engine where it reports the version it serves (a restarted engine
-        serves its base weights again); engines without such an endpoint keep what the adapter sent last."""
+        """Read the version the engine serves where it reports one (a restart brings back its base weights)."""
         return None
 
     async def refresh_stats(self) -> None:
         """Copy the engine's statistics (``stat_counters``, ``kv_usage_series``) into ``counters.extra``."""
         names = (*self.stat_counters, self.kv_usage_series) if self.kv_usage_series else tuple(self.stat_counters)
-        if not names:
-            return
-        stats = await self.prometheus(names)
-        extra = self.counters.extra
-        for name, key in self.stat_counters.items():
-            if name in stats:
-                extra[key] = int(stats[name])
-        if self.kv_usage_series in stats:
-            extra["kv_usage_ppm"] = int(stats[self.kv_usage_series] * 1e6)
+        if names:
+            stats = await self.prometheus(names)
+            self.counters.extra.update(counter_values(stats, self.stat_counters, self.kv_usage_series))
 
     async def close(self) -> None:
         await self._client.aclose()

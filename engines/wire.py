@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import httpx
@@ -138,3 +138,12 @@ def finish_from_openai(value: Any, wire: Wire, where: str) -> FinishReason | Non
     if value not in mapping:
         raise wire.fail(where, f"is {value!r}, expected one of stop, length, abort or null")
     return mapping[value]
+
+
+def counter_values(stats: Mapping[str, float], counters: Mapping[str, str], kv_usage_series: str) -> dict[str, int]:
+    """Engine statistics as ``EngineCounters.extra`` entries: each series in ``counters`` under its key, and the KV
+    usage fraction as parts per million (``kv_usage_ppm``); series the engine did not report are left out."""
+    out = {key: int(stats[name]) for name, key in counters.items() if name in stats}
+    if kv_usage_series in stats:
+        out["kv_usage_ppm"] = int(stats[kv_usage_series] * 1e6)
+    return out
