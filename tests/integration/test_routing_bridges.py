@@ -28,8 +28,13 @@ def _shared(redis: PrivateRedis) -> dict[str, Any]:
 
 
 async def test_turns_through_two_bridges_stay_on_one_replica(start_bridge: Any, redis_server: PrivateRedis) -> None:
-    a_server, a = await start_bridge(**_shared(redis_server))
-    b_server, b = await start_bridge(**_shared(redis_server))
+    # Stickiness across bridges is agreed through Redis pins; a lookup past its budget fails open by design (the
+    # turn is routed without the pin), which on a loaded CI machine could move an episode. This test is about the
+    # agreement, not the budget: give Redis time to answer.
+    shared = _shared(redis_server)
+    shared["cache"] = {**shared["cache"], "lookup_budget_ms": 1000.0}
+    a_server, a = await start_bridge(**shared)
+    b_server, b = await start_bridge(**shared)
     for _ in range(3):  # several episodes, so least-loaded alone would alternate replicas
         ep = (await a.start_episode(PROMPT, sampling=SAMPLING)).episode_id
         replicas = []
