@@ -340,3 +340,10 @@ async def test_pause_abort_keeps_partial_tokens_and_new_calls_wait_for_resume(st
         assert not waiting.done() and server.bridge.paused  # held while paused
         assert (await http.post("/resume")).json() == {"status": "ok"}
         assert len((await waiting).json()["choices"][0]["token_ids"]) == 2
+
+
+async def test_an_engine_that_cannot_do_it_answers_501_with_openai_error_json(start_bridge: StartBridge) -> None:
+    _, _, base = await _open(start_bridge, engine={"type": "toy", "toy": {"supports_weight_updates": False}})
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        err = _error(await http.post("/update_weights", json={"weight_dir": "/x"}), 501)
+    assert err["type"] == "not_implemented_error" and "cannot load new weights" in err["message"]
