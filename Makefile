@@ -92,11 +92,11 @@ lint: setup
 
 gen-proto: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. \
-		--mypy_out=. --mypy_grpc_out=. proto/primerl/v1/primerl.proto
+		--mypy_out=. --mypy_grpc_out=. proto/primerl/v1/*.proto
 
 check-proto: setup
 	@tmp=$$(mktemp -d) && PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc -I . --python_out=$$tmp \
-		--grpc_python_out=$$tmp --mypy_out=$$tmp --mypy_grpc_out=$$tmp proto/primerl/v1/primerl.proto >/dev/null \
+		--grpc_python_out=$$tmp --mypy_out=$$tmp --mypy_grpc_out=$$tmp proto/primerl/v1/*.proto >/dev/null \
 	&& for f in $$tmp/proto/primerl/v1/*; do \
 		cmp -s $$f proto/primerl/v1/$$(basename $$f) || { echo "stale generated stub: proto/primerl/v1/$$(basename $$f); run 'make gen-proto'"; exit 1; }; \
 	done && rm -rf $$tmp && echo "generated stubs are fresh"
