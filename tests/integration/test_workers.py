@@ -1,0 +1,146 @@
+"""Several bridge worker processes on one port (``primerl serve --workers N``) and the call forwarder under them.
+
+* ``server.forward``: a real front server forwards every PrimeRL call to a real toy bridge; the client sees
+  the trajectory, status codes, details and metadata it would see calling the bridge directly.
+* ``primerl serve --workers 2``: many channels reach both workers (SO_REUSEPORT); an episode started
+  through one worker is stepped and ended through the other (forwarded to its owner, proven by the
+  ``primerl-worker`` / ``primerl-forwarded-by`` trailers) with the exact trajectory; a killed worker is
+  restarted by the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from proto.primerl.v1 import primerl_pb2 as pb
+from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
+from server.forward import Forwarder, OwnerUnreachable, passthrough
+from tests.conftest import StartBridge
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = [1, 4, 30, 31, 32, 2, 5]
+SAMPLING = pb.SamplingParams(max_tokens=6, ignore_eos=True, seed=7)
+SERVICE = "primerl.v1.PrimeRL"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _front(target: str, forwarder: Forwarder) -> tuple[grpc.aio.Server, int]:
+    """A server that forwards every PrimeRL call to ``target`` (what a worker does for another's episode)."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for name, method in pb.DESCRIPTOR.services_by_name["PrimeRL"].methods_by_name.items():
+        path = f"/{SERVICE}/{name}"
+        if method.server_streaming:
+
+            async def stream(request: bytes, context: Any, path: str = path) -> AsyncIterator[bytes]:
+                async for item in forwarder.stream(target, path, request, context, metadata=(("primerl-hop", "1"),)):
+                    yield item
+
+            handlers[name] = grpc.unary_stream_rpc_method_handler(stream, response_serializer=passthrough(None))
+        else:
+
+            async def unary(request: bytes, context: Any, path: str = path) -> bytes:
+                return await forwarder.unary(target, path, request, context)
+
+            handlers[name] = grpc.unary_unary_rpc_method_handler(unary, response_serializer=passthrough(None))
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def _exact(t: pb.Trajectory) -> tuple[Any, ...]:
+    """What must be identical between two runs of one seeded episode (not ids or timings); NaN == NaN."""
+    turns = [(x.observation_start, x.generation_start, x.end, x.finish_reason, x.policy_version) for x in t.turns]
+    return (list(t.token_ids), [repr(x) for x in t.logprobs], list(t.loss_mask), list(t.origins), turns)
+
+
+async def _episode(stub: pb_grpc.PrimeRLAsyncStub) -> tuple[list[int], list[int], pb.Trajectory]:
+    """Start, two Steps (one streamed), end: the streamed tokens, the unary Step's tokens, the trajectory."""
+    started = await stub.StartEpisode(
+        pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT), sampling=SAMPLING)
+    )
+    ep = started.episode_ids[0]
+    streamed = [t async for c in stub.Step(pb.StepRequest(episode_id=ep, stream=True)) for t in c.token_ids]
+    step = pb.StepRequest(episode_id=ep, observation_token_ids=pb.TokenIds(ids=[9, 8]))
+    unary = [t async for c in stub.Step(step) for t in c.token_ids]
+    ended = await stub.EndEpisode(pb.EndEpisodeRequest(episode_id=ep, rewards=[1.0]))
+    return streamed, unary, ended.trajectory
+
+
+async def test_forwarded_calls_get_the_owners_answers_unchanged(start_bridge: StartBridge) -> None:
+    owner, _ = await start_bridge(engine={"type": "toy", "toy": {"seed": 3}})
+    forwarder = Forwarder()
+    front, port = await _front(f"127.0.0.1:{owner.port}", forwarder)
+    try:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{owner.port}") as direct_channel,
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as front_channel,
+        ):
+            direct, via = pb_grpc.PrimeRLStub(direct_channel), pb_grpc.PrimeRLStub(front_channel)
+            want = await _episode(direct)
+            got = await _episode(via)
+            assert got[0] == want[0] and got[1] == want[1] and len(got[0]) == 6
+            assert list(got[2].token_ids) == list(want[2].token_ids) == PROMPT + got[0] + [9, 8] + got[1]
+            assert _exact(got[2]) == _exact(want[2])
+
+            call = via.Step(pb.StepRequest(episode_id="ep-missing"))  # the owner's status and details, as they are
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [c async for c in call]
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND and "ep-missing" in (err.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await via.EndEpisode(pb.EndEpisodeRequest(episode_id="ep-missing"))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND and "ep-missing" in (err.value.details() or "")
+
+            started = await via.StartEpisode(pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT)))
+            step = via.Step(pb.StepRequest(episode_id=started.episode_ids[0], stream=True))
+            assert ("primerl-accepted", "1") in tuple(await step.initial_metadata())  # the owner's header
+            assert [c async for c in step][-1].HasField("done")
+    finally:
+        await front.stop(0)
+        await forwarder.close()
+
+
+async def test_an_unreachable_owner_is_reported_or_raised() -> None:
+    dead = f"unix:{Path('/tmp') / f'primerl-nobody-{os.getpid()}.sock'}"
+    forwarder = Forwarder()
+    front, port = await _front(dead, forwarder)
+    raised: list[BaseException] = []
+
+    async def taker(request: bytes, context: Any) -> bytes:
+        try:
+            return await forwarder.unary(dead, f"/{SERVICE}/GetServerInfo", request, context, unreachable_raises=True)
+        except OwnerUnreachable as exc:
+            raised.append(exc)
+            return pb.ServerInfo(server_version="taken over").SerializeToString()
+
+    other = grpc.aio.server()
+    other.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(SERVICE, {"GetServerInfo": grpc.unary_unary_rpc_method_handler(taker)})]
+    )
+    other_port = other.add_insecure_port("127.0.0.1:0")
+    await other.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pb_grpc.PrimeRLStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{other_port}") as channel:
+            info = await pb_grpc.PrimeRLStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        assert info.server_version == "taken over" and isinstance(raised[0], OwnerUnreachable)
+    finally:
+        await front.stop(0)
+        await other.stop(0)
+        await forwarder.close()
