@@ -57,6 +57,7 @@ from engines.kvcache import (
     unpack_left,
 )
 from engines.sampling import raw_logprob, sample
+from engines.scoring import ScoreRequest, ScoreResult, score_sync
 from engines.tasks import cancel_and_wait
 from engines.types import (
     Capability,
@@ -94,7 +95,7 @@ class EmbeddedEngine:
             max_model_len=loaded.max_model_len,
             eos_token_ids=loaded.tokenizer.eos_token_ids,
             replica=replica,
-            capabilities=frozenset(Capability),  # every one: raw logprobs, min-p, masks, drafts, weight swaps
+            capabilities=frozenset(Capability),  # every one: raw logprobs, min-p, masks, drafts, weight swaps, scoring
             base_weights=loaded.model_dir,
         )
         self.counters = EngineCounters(extra={"kv_bytes": 0, "kv_evictions": 0, "deferred_decode_tokens": 0})
@@ -203,6 +204,11 @@ class EmbeddedEngine:
     def evict(self, episode_id: str) -> bool:
         """Drop an idle episode's KV now (its next turn recomputes it); True if there was any."""
         return self._store.take(("ep", episode_id)) is not None
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """Teacher-forced logprobs on the worker, between two decode steps, under the weights of that moment."""
+        run = lambda: score_sync(self.model, request, self._version)  # noqa: E731 - the version is read on the worker
+        return await asyncio.get_running_loop().run_in_executor(self._worker, run)
 
     async def update_weights(self, update: WeightUpdate) -> None:
         state = await asyncio.to_thread(read_checkpoint, self.model, update.checkpoint_path)

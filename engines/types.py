@@ -53,6 +53,7 @@ class Capability(enum.Enum):
     CONSTRAINTS = "constraints"  # honours GenerateRequest.constraint (grammar-masked decoding)
     DRAFT_VERIFY = "draft_verify"  # verifies GenerateRequest.drafter's drafts exactly
     WEIGHT_UPDATES = "weight_updates"  # loads new weights (update_weights)
+    SCORE = "score"  # scores given tokens by teacher forcing (``engines.scoring``: ``score(request)``)
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 
 import httpx
 
+from engines import vllm_score
 from engines.config import VllmConfig
 from engines.errors import (
     Aborted,
@@ -67,6 +68,7 @@ from engines.errors import (
 )
 from engines.http_base import StreamState
 from engines.openai_compat import OpenAICompletionsEngine
+from engines.scoring import ScoreRequest, ScoreResult
 from engines.types import (
     Capability,
     Drafter,
@@ -166,13 +168,17 @@ class VllmEngine(OpenAICompletionsEngine):
     kv_usage_series: ClassVar[str] = "vllm:kv_cache_usage_perc"
     generate_path: ClassVar[str] = "/v1/completions"
     capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {Capability.MIN_P, Capability.WEIGHT_UPDATES, Capability.DRAFT_VERIFY}
+        {Capability.MIN_P, Capability.WEIGHT_UPDATES, Capability.DRAFT_VERIFY, Capability.SCORE}
     )
     config: VllmConfig
 
     def declared_capabilities(self) -> frozenset[Capability]:
         """Drafts are verified (greedy turns) only with ``vllm.verify_drafts``."""
         return self.capabilities if self.config.verify_drafts else self.capabilities - {Capability.DRAFT_VERIFY}
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """Teacher-forced logprobs through prompt logprobs (``engines.vllm_score``)."""
+        return await vllm_score.score(self, request)
 
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
         p = request.params

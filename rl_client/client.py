@@ -345,6 +345,15 @@ class AsyncBridgeClient:
     async def server_info(self) -> pb.ServerInfo:
         return await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), 30.0)
 
+    async def score_tokens(
+        self, token_ids: Sequence[int], start: int, *, temperature: float = 1.0, logits: bool = False, model: str = ""
+    ) -> pb.ScoreTokensResponse:
+        """Teacher-forced logprobs of ``token_ids[start:]`` (``ScoreTokens``); no episode, no sampling."""
+        req = pb.ScoreTokensRequest(
+            model=model, token_ids=list(token_ids), start=start, temperature=temperature, return_logits=logits
+        )
+        return await self._call(self._stub.ScoreTokens, req, None)
+
     async def close(self) -> None:
         """Free the episodes this client left open, then close the channel."""
         for episode_id in list(self.open_episodes):
@@ -451,6 +460,9 @@ class BridgeClient:
 
     def server_info(self) -> pb.ServerInfo:
         return self._run(self._client.server_info())
+
+    def score_tokens(self, token_ids: Sequence[int], start: int, **kwargs: Any) -> pb.ScoreTokensResponse:
+        return self._run(self._client.score_tokens(token_ids, start, **kwargs))
 
     def wait_until_ready(self, timeout: float = 120.0) -> None:
         self._run(self._client.wait_until_ready(timeout))

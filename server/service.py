@@ -24,6 +24,7 @@ from server.calls import NO_OVERRIDES, EndRequest, SamplingOverrides, StartReque
 from server.envsession import EnvOutcome
 from server.episodes import Turn
 from server.errors import PrimeRLError, status_code
+from server.scoring import score_tokens
 
 log = logging.getLogger("primerl.server")
 
@@ -263,6 +264,15 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             raise
         log.info("weights updated to policy version %d from %r", version, request.checkpoint_path)
         return pb.UpdateWeightsResponse(policy_version=version, replicas_updated=len(self.bridge.engines))
+
+    async def ScoreTokens(
+        self, request: pb.ScoreTokensRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScoreTokensResponse:
+        try:
+            return await score_tokens(self.bridge, request)
+        except Exception as exc:
+            await _abort(context, exc)
+            raise
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
         b = self.bridge

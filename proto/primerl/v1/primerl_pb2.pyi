@@ -1046,3 +1046,80 @@ class ServerInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServerInfo: _TypeAlias = ServerInfo  # noqa: Y015
+
+@_typing.final
+class ScoreTokensRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    RETURN_LOGITS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Model to score with; empty selects the default model."""
+    start: _builtins.int
+    """First scored position, >= 1: token_ids[i] is scored given token_ids[:i] for start <= i < len."""
+    temperature: _builtins.float
+    """Temperature of the scored distribution (> 0); unset means 1 (the raw distribution)."""
+    return_logits: _builtins.bool
+    """Also return the logits that predicted each scored token (embedded engine only)."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The whole sequence: context followed by the tokens to score."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        start: _builtins.int = ...,
+        temperature: _builtins.float | None = ...,
+        return_logits: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "temperature", b"temperature"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "model", b"model", "return_logits", b"return_logits", "start", b"start", "temperature", b"temperature", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+
+Global___ScoreTokensRequest: _TypeAlias = ScoreTokensRequest  # noqa: Y015
+
+@_typing.final
+class ScoreTokensResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    LOGITS_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    policy_version: _builtins.int
+    """Version of the weights that scored them."""
+    replica: _builtins.str
+    """Replica that scored them."""
+    logits: _builtins.bytes
+    """When return_logits: raw logits, little-endian float32, row-major [len - start, vocab_size]."""
+    vocab_size: _builtins.int
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """log p(token_ids[i] | token_ids[:i]) for i in [start, len), under logits / temperature."""
+
+    def __init__(
+        self,
+        *,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        policy_version: _builtins.int = ...,
+        replica: _builtins.str = ...,
+        logits: _builtins.bytes = ...,
+        vocab_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logits", b"logits", "logprobs", b"logprobs", "policy_version", b"policy_version", "replica", b"replica", "vocab_size", b"vocab_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreTokensResponse: _TypeAlias = ScoreTokensResponse  # noqa: Y015

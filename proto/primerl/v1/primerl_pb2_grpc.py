@@ -59,6 +59,11 @@ class PrimeRLStub:
                 request_serializer=proto_dot_primerl_dot_v1_dot_primerl__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_primerl_dot_v1_dot_primerl__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.ScoreTokens = channel.unary_unary(
+                '/primerl.v1.PrimeRL/ScoreTokens',
+                request_serializer=proto_dot_primerl_dot_v1_dot_primerl__pb2.ScoreTokensRequest.SerializeToString,
+                response_deserializer=proto_dot_primerl_dot_v1_dot_primerl__pb2.ScoreTokensResponse.FromString,
+                _registered_method=True)
 
 
 class PrimeRLServicer:
@@ -100,6 +105,14 @@ class PrimeRLServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreTokens(self, request, context):
+        """Teacher forcing: the logprob (and optionally the logits) the current policy assigns to each
+        given token. No sampling, no episode state. UNIMPLEMENTED on engines that cannot score.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrimeRLServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_PrimeRLServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=proto_dot_primerl_dot_v1_dot_primerl__pb2.GetServerInfoRequest.FromString,
                     response_serializer=proto_dot_primerl_dot_v1_dot_primerl__pb2.ServerInfo.SerializeToString,
+            ),
+            'ScoreTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreTokens,
+                    request_deserializer=proto_dot_primerl_dot_v1_dot_primerl__pb2.ScoreTokensRequest.FromString,
+                    response_serializer=proto_dot_primerl_dot_v1_dot_primerl__pb2.ScoreTokensResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class PrimeRL:
             '/primerl.v1.PrimeRL/GetServerInfo',
             proto_dot_primerl_dot_v1_dot_primerl__pb2.GetServerInfoRequest.SerializeToString,
             proto_dot_primerl_dot_v1_dot_primerl__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.v1.PrimeRL/ScoreTokens',
+            proto_dot_primerl_dot_v1_dot_primerl__pb2.ScoreTokensRequest.SerializeToString,
+            proto_dot_primerl_dot_v1_dot_primerl__pb2.ScoreTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,

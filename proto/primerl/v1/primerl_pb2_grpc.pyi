@@ -52,6 +52,10 @@ class PrimeRLStub:
     """Load new policy weights and bump the policy version."""
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_primerl_pb2.GetServerInfoRequest, _primerl_pb2.ServerInfo]
     """Models, engines, versions and limits of this bridge."""
+    ScoreTokens: _grpc.UnaryUnaryMultiCallable[_primerl_pb2.ScoreTokensRequest, _primerl_pb2.ScoreTokensResponse]
+    """Teacher forcing: the logprob (and optionally the logits) the current policy assigns to each
+    given token. No sampling, no episode state. UNIMPLEMENTED on engines that cannot score.
+    """
 
 @_typing.type_check_only
 class PrimeRLAsyncStub(PrimeRLStub):
@@ -68,6 +72,10 @@ class PrimeRLAsyncStub(PrimeRLStub):
     """Load new policy weights and bump the policy version."""
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_primerl_pb2.GetServerInfoRequest, _primerl_pb2.ServerInfo]  # type: ignore[assignment]
     """Models, engines, versions and limits of this bridge."""
+    ScoreTokens: _aio.UnaryUnaryMultiCallable[_primerl_pb2.ScoreTokensRequest, _primerl_pb2.ScoreTokensResponse]  # type: ignore[assignment]
+    """Teacher forcing: the logprob (and optionally the logits) the current policy assigns to each
+    given token. No sampling, no episode state. UNIMPLEMENTED on engines that cannot score.
+    """
 
 class PrimeRLServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -111,5 +119,15 @@ class PrimeRLServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_primerl_pb2.ServerInfo, _abc.Awaitable[_primerl_pb2.ServerInfo]]:
         """Models, engines, versions and limits of this bridge."""
+
+    @_abc_1.abstractmethod
+    def ScoreTokens(
+        self,
+        request: _primerl_pb2.ScoreTokensRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_primerl_pb2.ScoreTokensResponse, _abc.Awaitable[_primerl_pb2.ScoreTokensResponse]]:
+        """Teacher forcing: the logprob (and optionally the logits) the current policy assigns to each
+        given token. No sampling, no episode state. UNIMPLEMENTED on engines that cannot score.
+        """
 
 def add_PrimeRLServicer_to_server(servicer: PrimeRLServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

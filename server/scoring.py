@@ -1,0 +1,44 @@
+"""``ScoreTokens``: teacher-forced logprobs of given tokens on one healthy replica (``engines.scoring``).
+
+No episode, no sampling, no KV kept: the request is validated (InvalidArgument naming the field), refused
+with UNIMPLEMENTED when the engine lacks ``Capability.SCORE`` (or the part asked for), and scored on the
+least-loaded healthy replica, which counts the tokens as in-flight load while it works.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from engines import scoring
+from engines.scoring import Scorer, ScoreRequest
+from proto.primerl.v1 import primerl_pb2 as pb
+from server.bridge import Bridge
+
+
+async def score_tokens(bridge: Bridge, request: pb.ScoreTokensRequest) -> pb.ScoreTokensResponse:
+    bridge._check_model(request.model)
+    req = ScoreRequest(
+        token_ids=tuple(request.token_ids),
+        start=request.start,
+        temperature=request.temperature if request.HasField("temperature") else 1.0,
+        return_logits=request.return_logits,
+    )
+    replicas = bridge.router.replicas
+    replica = replicas.least_loaded()
+    engine = bridge.engines[replica]
+    scoring.validate(req, engine.info)
+    replicas.begin(replica, len(req.token_ids))
+    try:
+        result = await cast(Scorer, engine).score(req)
+    finally:
+        replicas.end(replica, len(req.token_ids))
+    return pb.ScoreTokensResponse(
+        logprobs=result.logprobs.tolist(),
+        policy_version=result.policy_version,
+        replica=engine.info.replica,
+        logits=result.logits.astype("<f4").tobytes() if result.logits is not None else b"",
+        vocab_size=engine.info.vocab_size,
+    )
+
+
+__all__ = ["score_tokens"]
