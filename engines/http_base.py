@@ -1,10 +1,9 @@
 """Shared machinery of the HTTP engine adapters (``vllm``, ``sglang``, ``trtllm``).
 
-One ``RemoteEngine`` is one engine replica behind one base URL. Subclasses only say how a
-request is written and how one stream event is read; this module owns the connection pool,
-timeouts, admission around weight updates and the assembly of ``TokenChunk``s. Connect retries, URL
-redaction and the HTTP -> error map are ``engines.http_edge``; stream state and opening a stream are
-``engines.http_stream``.
+One ``RemoteEngine`` is one engine replica behind one base URL. Subclasses only say how a request is written and how
+one stream event is read; this module owns the connection pool, timeouts, admission around weight updates and the
+assembly of ``TokenChunk``s. Connect retries, URL redaction and the HTTP -> error map are ``engines.http_edge``;
+stream state and opening a stream are ``engines.http_stream``.
 
 Invariants
 ----------
@@ -21,11 +20,10 @@ Invariants
   last chunk carries the finish reason and usage (held back until the usage is known).
 * The prefix cache is salted with an ``engines.salt.CacheSalt`` (the bridge's ``cache_salt``, or
   the model at this replica's own version when none is given) so KV of old weights is never reused.
-* No turn straddles a weight update: ``update_weights`` (``exclusive_update``) stops admitting
-  new generations on the replica, waits up to ``weight_update_timeout_s`` for the in-flight
-  ones to finish (then aborts the stragglers, which end with ``ABORT`` and old-version tokens
-  only), reloads, and reopens. A turn held at the gate runs on the new weights, labelled and
-  salted with the new version.
+* No turn straddles a weight update: ``update_weights`` (``exclusive_update``) stops admitting new generations on the
+  replica, waits up to ``weight_update_timeout_s`` for the in-flight ones to finish (then aborts the stragglers, which
+  end with ``ABORT`` and old-version tokens only), reloads, and reopens. A turn held at the gate runs on the new
+  weights, labelled and salted with the new version.
 * A whole turn lasts at most ``engine.request_timeout_s`` (``asyncio.timeout`` around the
   stream, so keep-alive comments cannot extend it); an ``abort`` that arrives before the
   response headers closes the stream as soon as it opens.
@@ -148,6 +146,9 @@ class RemoteEngine:
     @property
     def policy_version(self) -> int:
         return self._version
+
+    def adopt_version(self, version: int) -> None:  # a fleet peer reloaded this shared replica (server.control_member)
+        self._version = version
 
     @property
     def served_model_name(self) -> str:

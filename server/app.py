@@ -28,11 +28,13 @@ from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.auth import AuthInterceptor, load_tenants, server_credentials
 from server.bridge import Bridge
 from server.config import Settings
+from server.control_member import join_fleet
 from server.errors import InvalidArgument
 from server.http import HttpFrontDoor, create_app
 from server.persistence import EpisodeJournal
 from server.service import PrimeRLService
 from server.telemetry import TelemetryInterceptor
+from server.workers import WorkerSlot
 
 log = logging.getLogger("primerl.server")
 
@@ -155,11 +157,17 @@ class BridgeServer:
 
 
 async def create_server(
-    settings: Settings, engines: Sequence[Engine] | None = None, *, tracing: Tracing | None = None
+    settings: Settings,
+    engines: Sequence[Engine] | None = None,
+    *,
+    tracing: Tracing | None = None,
+    worker: WorkerSlot | None = None,
 ) -> BridgeServer:
     """Build the bridge (engines started, port bound, not yet serving).
 
-    ``tracing`` defaults to what the ``OTEL_*`` variables ask for (off when they ask nothing).
+    ``tracing`` defaults to what the ``OTEL_*`` variables ask for (off when they ask nothing). ``worker``:
+    this process is one of ``primerl serve --workers N`` (server.workers): the port is shared, a private
+    address is bound too, and calls for another worker's episodes are forwarded to it.
     """
     tracing = tracing if tracing is not None else Tracing.from_env()
     journal = None
@@ -192,8 +200,14 @@ async def create_server(
         log.info("authentication on: %d token(s), admin tenants %s", len(tenants), settings.auth.admin_tenants)
     else:
         log.info("authentication off: any client may call the bridge (configure auth.* to require tokens)")
+    if worker is not None:  # innermost: a forwarded call is authenticated here and again by its owner
+        interceptors.append(worker.interceptor(settings.persistence.enabled))
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            *(worker.server_options() if worker is not None else ()),
+        ],
         interceptors=interceptors,
     )
     pb_grpc.add_PrimeRLServicer_to_server(PrimeRLService(bridge, settings.server.stream_interval_ms), server)
@@ -204,6 +218,10 @@ async def create_server(
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {settings.server.host}:{settings.server.port}")
+    if worker is not None:
+        worker.attach(server, bridge.store)
+    if settings.fleet.enabled:
+        bridge.fleet = join_fleet(settings, bridge.info.model, port)
     endpoint = MetricsEndpoint(metrics.registry, settings.server.host, settings.metrics.port)
     http = None
     if settings.http.port:
@@ -221,14 +239,18 @@ async def create_server(
 
 
 async def serve(
-    settings: Settings, ready: asyncio.Event | None = None, *, stuck_exit_s: float | None = STUCK_EXIT_S
+    settings: Settings,
+    ready: asyncio.Event | None = None,
+    *,
+    stuck_exit_s: float | None = STUCK_EXIT_S,
+    worker: WorkerSlot | None = None,
 ) -> None:
     """The process's main loop: run until SIGINT/SIGTERM, then shut down gracefully.
 
     A second signal cuts the drain short. If the shutdown is still not done ``stuck_exit_s`` after the
     grace period, the process logs where it hung and exits with status 1 (None: never).
     """
-    bridge_server = await create_server(settings)
+    bridge_server = await create_server(settings, worker=worker)
     await bridge_server.start()
     info = bridge_server.bridge.info
     log.info(

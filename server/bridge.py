@@ -8,7 +8,8 @@ testable without sockets. The bridge composes the parts that each own one concer
 - ``placement.routing``: which replica serves each turn, and what the prefix index learns;
 - ``server.turns``: one turn (open, stream the engine into the episode, close);
 - ``server.steps``: an accepted Step (``StepHandle``) and the env tool loop;
-- ``server.weights``: weight updates and the policy version.
+- ``server.weights``: weight updates and the policy version;
+- ``server.control_member`` (optional): the fleet's one policy version per model, adopted before each turn.
 
 A Step: ``prepare_step`` validates everything first (nothing is written for a bad request), admits,
 routes and opens the turn, and returns a ``StepHandle``; the caller streams ``handle.updates()`` and
@@ -35,6 +36,7 @@ from placement.routing import Router, RouteRequest, RoutingConfig
 from server.admission import Admission
 from server.calls import EndRequest, EndResult, StartRequest, StartResult, StepRequest
 from server.config import AdmissionConfig, SamplingDefaults
+from server.control_member import FleetMember
 from server.envsession import EnvSession, check_env_name, close_all, open_env_sessions
 from server.episodes import Episode, EpisodeStore
 from server.errors import DeadlineExceeded, EpisodeBusy, InvalidArgument
@@ -88,6 +90,7 @@ class Bridge:
         self.envhub = envhub or EnvHubConfig()
         self._envs: dict[str, EnvSession] = {}  # episode id -> its environment (episodes started with env)
         self.journal = journal  # episode persistence (None: episodes live in this process only)
+        self.fleet: FleetMember | None = None  # fleet membership (join_fleet); None: this bridge's own version
         self.episodes = JournaledStore(
             self.store,
             journal,
@@ -122,9 +125,21 @@ class Bridge:
     def policy_version(self) -> int:
         return self.weights.version
 
+    @property
+    def inflight(self) -> int:
+        """Steps accepted and not yet ended."""
+        return sum(self.admit.inflight.values())
+
+    def _fleet_version(self) -> int:
+        """The version staleness is measured against: the fleet's when this bridge is in one."""
+        fleet = self.fleet.record.version if self.fleet is not None else 0
+        return max(self.weights.version, fleet)
+
     async def start(self) -> None:
-        """Start background work (the shared load board of a Redis index)."""
+        """Start background work (the shared load board of a Redis index; the fleet membership)."""
         self.router.start()
+        if self.fleet is not None:
+            await self.fleet.start(self)
 
     @staticmethod
     def _salt(tenant: str, model: str, version: int) -> str:
@@ -174,6 +189,8 @@ class Bridge:
 
     async def start_episode(self, req: StartRequest) -> StartResult:
         model = self._check_model(req.model)
+        if self.fleet is not None:  # the prompt's tokens are labelled with the fleet's version
+            await self.fleet.before_turn()
         if not 1 <= req.group_size <= self.admission.max_group_size:
             raise InvalidArgument(f"group_size must be in [1, {self.admission.max_group_size}], got {req.group_size}")
         params = self.defaults.merge(req.sampling)
@@ -193,6 +210,8 @@ class Bridge:
         self.store.admit(req.group_size, req.tenant, self.admission.max_episodes_per_tenant)
         result = await self._add_episodes(req, model, params, prompt)
         await self.episodes.save_all([e for i in result.episode_ids if (e := self.store.peek(i)) is not None])
+        if self.fleet is not None:
+            await self.fleet.own(list(result.episode_ids))
         return result
 
     async def _start_env_episodes(self, req: StartRequest, model: str, params: SamplingParams) -> StartResult:
@@ -220,6 +239,8 @@ class Bridge:
             raise
         result = await self._add_episodes(req, model, params, prompt)
         self._envs.update(zip(result.episode_ids, sessions, strict=True))
+        if self.fleet is not None:
+            await self.fleet.own(list(result.episode_ids))
         return replace(result, env_task_id=sessions[0].task_id)
 
     async def _add_episodes(
@@ -265,16 +286,7 @@ class Bridge:
         starts from the newest persisted record, and writes the record back once its turn is closed.
         """
         deadline = None if req.deadline_s is None else asyncio.get_running_loop().time() + req.deadline_s
-        if not self._serving.is_set():
-            await self._wait_for_resume(deadline)
-        leased = await self.episodes.lease(req.episode_id)
-        try:
-            await self.episodes.sync(req.episode_id)
-            self.admit.enter(req.tenant)
-        except BaseException:
-            if leased:
-                await self.episodes.unlease(req.episode_id)
-            raise
+        leased = await self._admit_step(req, deadline)
         handle: StepHandle | None = None
         try:
             handle = self._validated_step(req, leased, deadline)
@@ -301,12 +313,37 @@ class Bridge:
                     await self.episodes.unlease(req.episode_id)
             raise
 
+    async def _admit_step(self, req: StepRequest, deadline: float | None) -> bool:
+        """Wait while paused, lease and sync the episode, count the Step in; returns whether it is leased.
+
+        A pause that began meanwhile (a fleet-wide weight update drains Steps counted in) sends the Step back
+        to wait, so no turn opens between a bridge's drain and the end of an update.
+        """
+        while True:
+            if self.fleet is not None:
+                await self.fleet.before_turn()  # adopt the fleet's version before this turn's tokens and salt
+            if not self._serving.is_set():
+                await self._wait_for_resume(deadline)
+            leased = await self.episodes.lease(req.episode_id)
+            try:
+                await self.episodes.sync(req.episode_id)
+                self.admit.enter(req.tenant)
+            except BaseException:
+                if leased:
+                    await self.episodes.unlease(req.episode_id)
+                raise
+            if self._serving.is_set():
+                return leased
+            self.admit.leave(req.tenant)
+            if leased:
+                await self.episodes.unlease(req.episode_id)
+
     def _validated_step(self, req: StepRequest, leased: bool, deadline: float | None) -> StepHandle:
         """Every check of a Step, before anything changes; the handle of the Step if it passes."""
         episode = self.store.get(req.episode_id, req.tenant)
         if episode.busy:
             raise EpisodeBusy(f"episode {episode.id!r} already has a Step in progress; wait for it to finish")
-        self.admit.check_fresh(episode, lambda: self.weights.version)
+        self.admit.check_fresh(episode, self._fleet_version)
         params = episode.sampling.merge(req.sampling)
         self._check_sampling(params)
         session = self._envs.get(episode.id)
@@ -428,11 +465,23 @@ class Bridge:
         sessions, self._envs = list(self._envs.values()), {}
         await close_all(sessions)
         await self.router.close()
+        if self.fleet is not None:
+            await self.fleet.close()
 
-    async def update_weights(self, checkpoint_path: str, policy_version: int, keep_kv: bool, model: str = "") -> int:
+    async def update_weights(
+        self, checkpoint_path: str, policy_version: int, keep_kv: bool, model: str = "", mode: str = "keep"
+    ) -> int:
+        """Load new weights; in a fleet, as one fleet operation (``server.control_member``)."""
         self._check_model(model)
-        return await self.weights.update(checkpoint_path, policy_version, keep_kv)
+        if self.fleet is None:
+            return await self.weights.update(checkpoint_path, policy_version, keep_kv)
+        return await self.fleet.update_weights(
+            checkpoint_path, policy_version, mode, lambda v: self.weights.update(checkpoint_path, v, keep_kv)
+        )
 
     async def reload_weights(self, policy_version: int = 0) -> int:
         """Back to the weights the engines started from, as a new policy version (prime-rl's reload_weights)."""
-        return await self.weights.reload(policy_version)
+        if self.fleet is None:
+            return await self.weights.reload(policy_version)
+        base = self.info.base_weights
+        return await self.fleet.update_weights(base, policy_version, "keep", self.weights.reload)

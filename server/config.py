@@ -1,23 +1,28 @@
 """The one settings root of the bridge.
 
-Precedence (lowest first): field defaults < TOML file (``--config FILE``) < environment
-(``PRIMERL_*``, ``__`` nests: ``PRIMERL_ENGINE__TYPE=toy``) < CLI flags. Each package owns
-its section's model (``engines.config.EngineConfig`` ...); components receive their section,
-never the root.
+Layered as every ``primerl`` entry point (engines.layered_config), highest first: CLI flags
+(``--engine.type toy``, and the short ones of ``primerl serve``: ``--engine``, ``--port`` ...) >
+config files (``@ a.toml @ b.toml`` left to right; ``--config FILE`` is ``@ FILE``) > environment
+(``PRIMERL_*``, ``__`` nests: ``PRIMERL_ENGINE__TYPE=toy``; aliases ``PRIMERL_ENGINE`` and
+``PRIMERL_ENGINE_BASE_URL``) > field defaults. Until issue 23 the environment beat the file.
+Each package owns its section's model (``engines.config.EngineConfig`` ...); components receive
+their section, never the root.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from cache.config import CacheConfig
 from engines.config import EngineConfig
+from engines.layered_config import load_config
 from engines.types import SamplingParams
 from envhub.config import EnvHubConfig
+from placement.registry import FleetConfig
 from placement.routing import RoutingConfig
 from server.auth import AuthConfig, TlsConfig
 from server.persistence import PersistenceConfig
@@ -43,6 +48,13 @@ class ServerConfig(BaseModel):
     )
     max_message_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent (trajectories can be large)."
+    )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Bridge processes sharing the port (SO_REUSEPORT), each with its own event loop; an episode's "
+        "calls are forwarded to the worker that started it (server.workers). 1 = this process serves.",
     )
 
 
@@ -117,10 +129,10 @@ class RedisConfig(BaseModel):
     url: str = Field("", description="redis:// URL; empty keeps all state in process.")
 
 
-class Settings(BaseSettings):
-    """Root of the bridge configuration (see module docstring for precedence)."""
+class Settings(BaseModel):
+    """Root of the bridge configuration (see module docstring for precedence; load it with load_settings)."""
 
-    model_config = SettingsConfigDict(env_prefix="PRIMERL_", env_nested_delimiter="__", extra="forbid")
+    model_config = ConfigDict(extra="forbid")
 
     server: ServerConfig = Field(default_factory=ServerConfig, description="gRPC listener.")
     http: HttpConfig = Field(default_factory=HttpConfig, description="HTTP front door (OpenAI / vLLM routes).")
@@ -140,6 +152,9 @@ class Settings(BaseSettings):
     speculation: SpeculationConfig = Field(
         default_factory=SpeculationConfig, description="Grammar-aware speculative decoding of tool calls."
     )
+    fleet: FleetConfig = Field(
+        default_factory=FleetConfig, description="Fleet membership: registry, one policy version per model."
+    )
 
     @model_validator(mode="after")
     def _constrained_needs_a_masking_engine(self) -> Settings:
@@ -151,28 +166,24 @@ class Settings(BaseSettings):
             )
         return self
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # First source wins: CLI (passed as init kwargs) > environment > TOML file.
-        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
+
+# Short environment names of the quick start (docker-compose and the product README use them).
+ENV_ALIASES = {"PRIMERL_ENGINE": "engine.type", "PRIMERL_ENGINE_BASE_URL": "engine.urls"}
 
 
-def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
-    """Build the settings from a TOML file, the environment and explicit (CLI) overrides.
+def load_settings(
+    config_file: str | Path | Sequence[str | Path] | None = None,
+    *,
+    argv: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Build the settings: ``overrides`` > ``argv`` flags > config file(s) > environment > defaults.
 
-    ``overrides`` are nested dicts by section, e.g. ``engine={"type": "toy"}``.
+    ``config_file`` is one TOML file or several (merged left to right); ``argv`` holds layered-config
+    tokens (``@ FILE``, ``--section.key VALUE``); ``env`` replaces ``os.environ``; ``overrides`` are
+    nested dicts by section, e.g. ``engine={"type": "toy"}``. Raises engines.layered_config.ConfigError
+    (a ValueError) naming the bad key or value.
     """
-    if config_file is not None and not Path(config_file).is_file():
-        raise FileNotFoundError(f"config file {config_file} does not exist")
-
-    class _FromFile(Settings):
-        model_config = SettingsConfigDict(toml_file=config_file)
-
-    return Settings.model_validate(_FromFile(**overrides).model_dump())
+    files = [] if config_file is None else [config_file] if isinstance(config_file, (str, Path)) else config_file
+    return load_config(Settings, argv, files=files, overrides=overrides, env=env, env_aliases=ENV_ALIASES)

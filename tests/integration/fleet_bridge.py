@@ -1,0 +1,122 @@
+"""One fleet bridge as its own process, over stand-in engine servers (``tests/standins/serve.py``).
+
+``python -m tests.integration.fleet_bridge --port P --metrics-port M --kind sglang URL [URL ...]`` builds the
+HTTP adapters the way ``test_failover_processes`` does (the toy model's facts and tokenizer, so no model
+directory is needed) and serves ``create_server(settings, engines)`` until SIGTERM; every other setting comes
+from ``PRIMERL_*`` (``PRIMERL_FLEET__ENABLED``, ``PRIMERL_REDIS__URL`` ...). ``FleetBridgeProcess`` is the test
+side: start, wait until ready, ``kill()`` (SIGKILL), ``close()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engines.launch import free_port
+from rl_client import AsyncBridgeClient
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def adapters(kind: str, urls: list[str]) -> list[Any]:
+    from engines.config import SglangConfig, ToyConfig, TrtllmConfig
+    from engines.sglang import SglangEngine
+    from engines.toy import ToyEngine
+    from engines.trtllm import TrtllmEngine
+    from engines.types import ModelFacts
+
+    toy = ToyEngine(ToyConfig())  # what the stand-ins serve (same seed): facts and tokenizer
+    facts = ModelFacts("toy", toy.info.vocab_size, toy.info.eos_token_ids, toy.info.max_model_len)
+    out: list[Any] = []
+    for i, url in enumerate(urls):
+        common: dict[str, Any] = {"model": "toy", "tokenizer": toy.tokenizer, "request_timeout_s": 30}
+        options = {"connect_retries": 0, "control_timeout_s": 2.0}
+        if kind == "sglang":
+            out.append(SglangEngine(url, SglangConfig.model_validate(options), facts, replica=f"r{i}", **common))
+        else:
+            out.append(TrtllmEngine(url, TrtllmConfig.model_validate(options), facts, replica=f"r{i}", **common))
+    return out
+
+
+async def _serve(port: int, metrics_port: int, kind: str, urls: list[str]) -> None:
+    from server.app import create_server
+    from server.config import load_settings
+
+    settings = load_settings(server={"port": port}, metrics={"port": metrics_port}, http={"port": 0})
+    engines = adapters(kind, urls)
+    await asyncio.gather(*(e.start() for e in engines))
+    bridge_server = await create_server(settings, engines)
+    await bridge_server.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await bridge_server.stop(1.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import logging
+
+    parser = argparse.ArgumentParser(prog="python -m tests.integration.fleet_bridge", description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--kind", choices=("sglang", "trtllm"), default="sglang")
+    parser.add_argument("urls", nargs="+")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("FLEET_LOG_LEVEL", "WARNING"))
+    asyncio.run(_serve(args.port, args.metrics_port, args.kind, args.urls))
+
+
+class FleetBridgeProcess:
+    """One ``python -m tests.integration.fleet_bridge`` child."""
+
+    def __init__(self, urls: list[str], env: Mapping[str, str], kind: str = "sglang") -> None:
+        self.port, self.metrics_port = free_port(), free_port()
+        cmd = [sys.executable, "-m", "tests.integration.fleet_bridge", "--port", str(self.port)]
+        cmd += ["--metrics-port", str(self.metrics_port), "--kind", kind, *urls]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env})
+        self.address = f"127.0.0.1:{self.port}"
+        self.client = AsyncBridgeClient(self.address)
+
+    async def ready(self, timeout: float = 60.0) -> FleetBridgeProcess:
+        await self.client.wait_until_ready(timeout)
+        return self
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    async def close(self) -> None:
+        await self.client.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                await asyncio.to_thread(self.proc.wait, 20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def fleet_env(redis_url: str, **extra: str) -> dict[str, str]:
+    """The settings of a fleet bridge on ``redis_url`` (heartbeat short so tests converge fast)."""
+    return {
+        "PRIMERL_REDIS__URL": redis_url,
+        "PRIMERL_FLEET__ENABLED": "true",
+        "PRIMERL_FLEET__HEARTBEAT_S": "0.3",
+        "PRIMERL_FLEET__POLL_S": "0.05",
+        "PRIMERL_FLEET__UPDATE_TIMEOUT_S": "20",
+        "PRIMERL_CACHE__BLOCK_SIZE": "4",
+        "PRIMERL_METRICS__HEALTH_INTERVAL_S": "600",
+        **extra,
+    }
+
+
+if __name__ == "__main__":
+    main()
