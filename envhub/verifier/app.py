@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engines.errors import PrimeRLError
-from envhub.verifier.service import BatchRequest, ScoreRequest, Verifier, summary
+from envhub.verifier.service import BatchRequest, ScoreRequest, Verifier, summary, validation_fields
 
 _STATUS = {
     "INVALID_ARGUMENT": 400,
@@ -67,8 +67,7 @@ async def _primerl_error(_: Request, exc: Exception) -> Response:
 
 async def _validation_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, ValidationError)
-    fields = [{"field": ".".join(map(str, e["loc"])) or "body", "message": e["msg"]} for e in exc.errors()]
-    message = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+    message, fields = validation_fields(exc)
     return _error(400, "INVALID_ARGUMENT", message, fields)
 
 

@@ -34,11 +34,13 @@ _ENV = "PRIMERL_VERIFIER__"
 def add_verifier_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     verifier = subparsers.add_parser("verifier", help="verifier service with a signed, tamper-evident verdict log")
     sub = verifier.add_subparsers(dest="verifier_command", required=True)
-    serve = sub.add_parser("serve", help="grade, sign and log verdicts over HTTP JSON")
+    serve = sub.add_parser("serve", help="grade, sign and log verdicts over gRPC and HTTP JSON")
     _store_flags(serve)
     serve.add_argument("--config", metavar="FILE", help="TOML file with a [verifier] table")
     serve.add_argument("--host", help="interface to bind")
     serve.add_argument("--http-port", type=int, help="HTTP JSON port (0 = any free port)")
+    serve.add_argument("--grpc-port", type=int, help="gRPC port, primerl.v1.Verifier (0 = any free port)")
+    serve.add_argument("--bridge", metavar="HOST:PORT", help="bridge whose episodes Score may end and grade by id")
     serve.add_argument("--origin", help="checkpoint origin / note key name")
     verify = sub.add_parser("verify", help="check an entry, its inclusion proof and a checkpoint offline")
     verify.add_argument("--envelope", required=True, metavar="F", help="entry, receipt, score response or envelope")
@@ -67,7 +69,7 @@ def load_config(args: argparse.Namespace) -> VerifierConfig:
     for name in VerifierConfig.model_fields:
         if _ENV + name.upper() in os.environ:
             data[name] = os.environ[_ENV + name.upper()]
-    for name in ("host", "http_port", "database_url", "key_dir", "origin"):
+    for name in ("host", "http_port", "grpc_port", "bridge", "database_url", "key_dir", "origin"):
         if getattr(args, name, None) is not None:
             data[name] = getattr(args, name)
     return VerifierConfig.model_validate(data)
@@ -101,11 +103,14 @@ async def serve(config: VerifierConfig, ready: asyncio.Event | None = None) -> N
     import uvicorn
 
     from envhub.verifier.app import create_app
+    from envhub.verifier.grpc_app import start_grpc
     from envhub.verifier.service import Verifier
 
     verifier = await Verifier.open(config)
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    rpc = None
     try:
+        rpc, grpc_port = await start_grpc(verifier, config.host, config.grpc_port)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(
             socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
@@ -115,7 +120,8 @@ async def serve(config: VerifierConfig, ready: asyncio.Event | None = None) -> N
         port = sock.getsockname()[1]
         server = uvicorn.Server(uvicorn.Config(create_app(verifier), log_level="warning", lifespan="off"))
         print(
-            f"primerl verifier: http://{config.host}:{port} (log {verifier.log.store.backend}, "
+            f"primerl verifier: http://{config.host}:{port} grpc {config.host}:{grpc_port} "
+            f"(log {verifier.log.store.backend}, "
             f"{verifier.log.size} entries, key {verifier.log.keyring.active.public.keyid})",
             file=sys.stderr,
             flush=True,
@@ -132,6 +138,8 @@ async def serve(config: VerifierConfig, ready: asyncio.Event | None = None) -> N
                 raise
     finally:
         sock.close()
+        if rpc is not None:
+            await rpc.stop(grace=1.0)
         await verifier.close()
 
 

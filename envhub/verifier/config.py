@@ -12,6 +12,10 @@ class VerifierConfig(BaseModel):
 
     host: str = Field("127.0.0.1", description="Interface the HTTP JSON surface binds.")
     http_port: int = Field(8700, ge=0, le=65535, description="HTTP JSON port (0 = any free port).")
+    grpc_port: int = Field(8701, ge=0, le=65535, description="gRPC port (primerl.v1.Verifier; 0 = any free port).")
+    bridge: str = Field(
+        "", max_length=300, description="HOST:PORT of a bridge whose episodes Score may end and grade by episode id."
+    )
     database_url: str = Field(
         "sqlite:///primerl-verifier.sqlite3",
         description="sqlite:///PATH (relative to the working directory; sqlite:////abs/path), or a "

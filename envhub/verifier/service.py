@@ -26,15 +26,17 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
 from engines.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, PrimeRLError
 from envhub.graders import get_grader, grader_names, grader_policy_digest, register_grader
+from envhub.verifier.bridge import BridgeSource, no_bridge
 from envhub.verifier.config import VerifierConfig
 from envhub.verifier.keys import KeyRing
 from envhub.verifier.log import Receipt, TransparencyLog
 from envhub.verifier.statement import Trajectory, Verdict, VerdictSample, canonical_json
 from envhub.verifier.store import LogStore
+from rl_client.types import Trajectory as BridgeTrajectory
 
 ENTRY_POINT_GROUP = "primerl.graders"
 
@@ -57,6 +59,9 @@ class ScoreRequest(BaseModel):
     grader: str = Field(min_length=1, max_length=200, description="A registered grader id.")
     trajectory: Trajectory
     params: dict[str, JsonValue] = Field(default_factory=dict, description="Grader inputs (signed with the verdict).")
+    timeout_s: float | None = Field(
+        None, gt=0, le=3600, description="This item's grader deadline (capped by the service's grader_timeout_s)."
+    )
 
     @field_validator("params")
     @classmethod
@@ -85,6 +90,12 @@ class ScoreResult:
         return {"reward": self.reward, "receipt": self.receipt.to_json()}
 
 
+def validation_fields(exc: ValidationError) -> tuple[str, list[dict[str, str]]]:
+    """A validation error as one message naming each bad field (``trajectory.logprobs: ...``) and the fields."""
+    fields = [{"field": ".".join(map(str, e["loc"])) or "body", "message": e["msg"]} for e in exc.errors()]
+    return "; ".join(f"{f['field']}: {f['message']}" for f in fields), fields
+
+
 def load_entry_point_graders(group: str = ENTRY_POINT_GROUP) -> list[str]:
     """Register the graders that installed packages declare under the ``primerl.graders`` entry point group."""
     added = []
@@ -106,6 +117,7 @@ class Verifier:
         self._graders = ThreadPoolExecutor(config.grader_threads, thread_name_prefix="verifier-grader")
         self._queue: asyncio.Queue[tuple[list[dict[str, Any]], asyncio.Future[list[Receipt]]]] = asyncio.Queue()
         self._appender = asyncio.create_task(self._append_loop(), name="verifier-appender")
+        self.bridge = BridgeSource(config.bridge) if config.bridge else None
 
     @classmethod
     async def open(cls, config: VerifierConfig) -> Verifier:
@@ -124,11 +136,19 @@ class Verifier:
         return cls(config, log, writer)
 
     async def close(self) -> None:
+        if self.bridge is not None:
+            await self.bridge.close()
         self._appender.cancel()
         await asyncio.gather(self._appender, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(self._writer, self.log.store.close)
         self._writer.shutdown(wait=True)
         self._graders.shutdown(wait=False, cancel_futures=True)
+
+    async def end_episode(self, episode_id: str) -> BridgeTrajectory:
+        """End ``episode_id`` on the ``--bridge`` and return its trajectory (``envhub.verifier.bridge``)."""
+        if self.bridge is None:
+            raise no_bridge()
+        return await self.bridge.end_episode(episode_id)
 
     async def read(self, fn: Any, *args: Any) -> Any:
         """Run a log read that touches the database on the writer thread."""
@@ -142,13 +162,14 @@ class Verifier:
         sample = VerdictSample(req.trajectory, req.params)
         started = dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
         t0 = time.perf_counter()
+        timeout, bound = self.config.grader_timeout_s, "grader_timeout_s"
+        if req.timeout_s is not None and req.timeout_s < timeout:
+            timeout, bound = req.timeout_s, "timeout_s"
         future = asyncio.get_running_loop().run_in_executor(self._graders, grader, sample)
         try:
-            value = await asyncio.wait_for(future, self.config.grader_timeout_s)
+            value = await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            raise DeadlineExceeded(
-                f"grader {req.grader!r} took longer than grader_timeout_s={self.config.grader_timeout_s}"
-            ) from None
+            raise DeadlineExceeded(f"grader {req.grader!r} took longer than {bound}={timeout:g}") from None
         except PrimeRLError:
             raise
         except Exception as exc:  # user grader code: its failure is this item's outcome, not the service's

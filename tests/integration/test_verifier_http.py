@@ -51,7 +51,12 @@ if "test-slow" not in grader_names():  # the registry is process-wide: register 
 async def verifier(db_url: str, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     port = free_port()
     config = VerifierConfig(
-        http_port=port, database_url=db_url, key_dir=str(tmp_path / "keys"), grader_timeout_s=0.3, origin="t/log"
+        http_port=port,
+        grpc_port=0,
+        database_url=db_url,
+        key_dir=str(tmp_path / "keys"),
+        grader_timeout_s=0.3,
+        origin="t/log",
     )
     ready = asyncio.Event()
     task = asyncio.create_task(serve(config, ready), name="verifier-under-test")
@@ -184,7 +189,7 @@ def test_primerl_verifier_serve_process_keeps_its_log_across_restarts(tmp_path: 
 
     def run_once(value: float) -> dict[str, Any]:
         port = free_port()
-        cmd = [sys.executable, "-m", "server", "verifier", "serve", "--http-port", str(port)]
+        cmd = [sys.executable, "-m", "server", "verifier", "serve", "--http-port", str(port), "--grpc-port", "0"]
         cmd += ["--database-url", f"sqlite:///{tmp_path / 'log.sqlite3'}", "--key-dir", str(tmp_path / "keys")]
         with subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) as proc:
             try:
