@@ -24,7 +24,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from placement.mig.catalog import Placement, maximal_layouts
+from placement.mig.catalog import Placement
+from placement.mig.configure import Configurator, Memo
 from placement.mig.solver import GpuPlan, Option, Problem, Replica, Solution, _finish
 from placement.mig.unit_greedy import unit_greedy
 
@@ -45,110 +46,18 @@ class _Unit:
     value: float = 0.0
 
 
-def _value(prob: Problem, remaining: dict[str, float], assigned: list[tuple[Placement | None, Option]]) -> float:
+def _value(
+    weight: dict[str, float], remaining: dict[str, float], assigned: list[tuple[Placement | None, Option]]
+) -> float:
     rem = dict(remaining)
     val = 0.0
     for _, o in assigned:
-        val += prob.specs[o.model].weight * min(rem[o.model], o.capacity)
+        val += weight[o.model] * min(rem[o.model], o.capacity)
         rem[o.model] -= min(rem[o.model], o.capacity)
     return val
 
 
-class _Configurator:
-    """Best single-GPU configurations of each pool against the current unmet demand."""
-
-    def __init__(self, prob: Problem) -> None:
-        self.prob = prob
-        self.weight = {m.name: m.weight for m in prob.models.models}
-        self.by_profile: dict[tuple[int, str], list[Option]] = defaultdict(list)
-        self.by_tp: dict[tuple[int, int], list[Option]] = defaultdict(list)
-        for o in prob.choices:
-            if o.profile is None:
-                self.by_tp[(o.pool, o.tp)].append(o)
-            else:
-                self.by_profile[(o.pool, o.profile)].append(o)
-        self.layouts = {
-            pi: [geo for _, geo in maximal_layouts(p.gpu.name)] if p.reconfigurable and prob.options.allow_mig else []
-            for pi, p in enumerate(prob.pools)
-        }
-        self._group_cache: dict[
-            tuple[int, tuple[Placement, ...]],
-            list[tuple[float, list[Placement], list[tuple[str, float, float, Option]]]],
-        ] = {}
-
-    def _groups(
-        self, pi: int, geo: tuple[Placement, ...]
-    ) -> list[tuple[float, list[Placement], list[tuple[str, float, float, Option]]]]:
-        """A geometry's slices grouped by profile: (cost, placements, [(model, capacity, weight, option)])."""
-        key = (pi, geo)
-        if key not in self._group_cache:
-            gpu = self.prob.pools[pi].gpu
-            by: dict[str, list[Placement]] = defaultdict(list)
-            for pl in geo:
-                by[pl[0]].append(pl)
-            self._group_cache[key] = [
-                (
-                    max(gpu.profile(prof).size / 8, gpu.profile(prof).compute / 7),
-                    sorted(pls, key=lambda t: t[1]),
-                    [(o.model, o.capacity, self.weight[o.model], o) for o in self.by_profile.get((pi, prof), ())],
-                )
-                for prof, pls in by.items()
-            ]
-        return self._group_cache[key]
-
-    def fill(
-        self, pi: int, geo: tuple[Placement, ...], remaining: dict[str, float]
-    ) -> tuple[float, list[tuple[Placement | None, Option]]]:
-        """Assign a geometry's slices to unmet demand: greedy over (slice, model) pairs, ranked by
-        value per GPU fraction and by plain value; the better of the two assignments wins."""
-        groups = self._groups(pi, geo)
-        best: tuple[float, list[tuple[Placement | None, Option]]] = (0.0, [])
-        for dense in (True, False):
-            rem: dict[str, float] = {}
-            left = [len(pls) for _, pls, _ in groups]
-            val = 0.0
-            out: list[tuple[Placement | None, Option]] = []
-            while True:
-                pick_key = (-1.0, 0.0)
-                pick: tuple[int, str, float, Option] | None = None
-                for gi, (cost, _, opts) in enumerate(groups):
-                    if not left[gi]:
-                        continue
-                    for model, cap, w, o in opts:
-                        r = rem.get(model)
-                        if r is None:
-                            r = remaining[model]
-                        g = w * (r if r < cap else cap)
-                        if g <= 1e-9:
-                            continue
-                        k = (g / cost if dense else g, -cost)
-                        if k > pick_key:
-                            pick_key, pick = k, (gi, model, g, o)
-                if pick is None:
-                    break
-                gi, model, g, o = pick
-                pls = groups[gi][1]
-                out.append((pls[len(pls) - left[gi]], o))
-                left[gi] -= 1
-                val += g
-                r = rem.get(model, remaining[model])
-                rem[model] = r - min(r, o.capacity)
-            if val > best[0]:
-                best = (val, out)
-        return best
-
-    def best_whole(
-        self, pi: int, tp: int, remaining: dict[str, float]
-    ) -> tuple[float, list[tuple[Placement | None, Option]]]:
-        best: tuple[float, Option] | None = None
-        for o in self.by_tp.get((pi, tp), ()):
-            g = self.weight[o.model] * min(remaining[o.model], o.capacity)
-            if g > 1e-9 and (best is None or g > best[0]):
-                best = (g, o)
-        return (best[0], [(None, best[1])]) if best else (0.0, [])
-
-
-def _gpu_greedy(prob: Problem, cfg: _Configurator, order: list[int] | None = None) -> list[_Unit]:
+def _gpu_greedy(prob: Problem, cfg: Configurator, order: list[int] | None = None) -> list[_Unit]:
     """``order``: configure pools strictly in this order (None: the best value per GPU anywhere)."""
     remaining = {m.name: m.demand.tokens_per_s for m in prob.models.models}
     free: list[dict[str, list[int]]] = []
@@ -163,6 +72,7 @@ def _gpu_greedy(prob: Problem, cfg: _Configurator, order: list[int] | None = Non
             free.append(f)
         fixed_left.append(list(p.fixed_slices))
     units: list[_Unit] = []
+    memo = Memo(cfg, remaining)
     while True:
         best: tuple[tuple[float, float], int, str, object, list[tuple[Placement | None, Option]]] | None = None
 
@@ -178,15 +88,15 @@ def _gpu_greedy(prob: Problem, cfg: _Configurator, order: list[int] | None = Non
                 break
             room = max((len(v) for v in free[pi].values()), default=0)
             if room:
-                for geo in cfg.layouts[pi]:
-                    v, a = cfg.fill(pi, geo, remaining)
+                for li, geo in enumerate(cfg.layouts[pi]):
+                    v, a = memo.fill((pi, li), pi, geo)
                     consider((v, -len(a)), pi, "mig", geo, a)
                 for tp in (1, 2, 4, 8):
                     if tp <= room:
-                        v, a = cfg.best_whole(pi, tp, remaining)
+                        v, a = memo.best_whole(pi, tp)
                         consider((v / tp, -tp), pi, "whole", tp, a)
             for k, (_, _, geo) in enumerate(fixed_left[pi]):
-                v, a = cfg.fill(pi, geo, remaining)
+                v, a = memo.fill(geo, pi, geo)
                 consider((v, -len(a)), pi, "fixed", k, a)
         if best is None:
             break
@@ -207,9 +117,11 @@ def _gpu_greedy(prob: Problem, cfg: _Configurator, order: list[int] | None = Non
                     break
                 node = min(cands, key=lambda n: len(free[pi][n]))
                 gpus, free[pi][node] = tuple(free[pi][node][:tp]), free[pi][node][tp:]
-            units.append(_Unit(pi, node, gpus, kind != "whole", list(assigned), _value(prob, remaining, assigned)))
+            units.append(
+                _Unit(pi, node, gpus, kind != "whole", list(assigned), _value(cfg.weight, remaining, assigned))
+            )
             for _, o in assigned:
-                remaining[o.model] = max(0.0, remaining[o.model] - o.capacity)
+                memo.serve(o.model, o.capacity)
     return units
 
 
@@ -252,7 +164,7 @@ def _render(prob: Problem, units: list[_Unit]) -> tuple[list[GpuPlan], list[Repl
     return gpus, reps
 
 
-def _improve(prob: Problem, cfg: _Configurator, units: list[_Unit], remaining: dict[str, float]) -> None:
+def _improve(prob: Problem, cfg: Configurator, units: list[_Unit], remaining: dict[str, float]) -> None:
     """Re-configure single reconfigurable GPUs one at a time while that strictly adds value."""
     demand = {m.name: m.demand.tokens_per_s for m in prob.models.models}
     total: dict[str, float] = defaultdict(float)
@@ -268,7 +180,7 @@ def _improve(prob: Problem, cfg: _Configurator, units: list[_Unit], remaining: d
             for _, o in u.assigned:
                 mine[o.model] += o.capacity
             rem = {m: max(0.0, d - (total[m] - mine[m])) for m, d in demand.items()}  # unmet without this GPU
-            best = (_value(prob, rem, u.assigned), u.mig, u.assigned)
+            best = (_value(cfg.weight, rem, u.assigned), u.mig, u.assigned)
             for geo in cfg.layouts[u.pool]:
                 v, a = cfg.fill(u.pool, geo, rem)
                 if v > best[0] * (1 + 1e-9) + 1e-9:
@@ -289,7 +201,7 @@ def _improve(prob: Problem, cfg: _Configurator, units: list[_Unit], remaining: d
 
 
 def _configs(
-    prob: Problem, cfg: _Configurator, pi: int, rem: dict[str, float]
+    prob: Problem, cfg: Configurator, pi: int, rem: dict[str, float]
 ) -> list[tuple[float, bool, list[tuple[Placement | None, Option]]]]:
     out = [(v, True, a) for v, a in (cfg.fill(pi, geo, rem) for geo in cfg.layouts[pi])]
     v, a = cfg.best_whole(pi, 1, rem)
@@ -297,7 +209,7 @@ def _configs(
     return sorted(out, key=lambda t: -t[0])
 
 
-def _improve_pairs(prob: Problem, cfg: _Configurator, units: list[_Unit]) -> None:
+def _improve_pairs(prob: Problem, cfg: Configurator, units: list[_Unit]) -> None:
     """Re-configure two single GPUs together (first GPU: its best few configurations, second:
     the best given the first), keeping strict improvements. Fixes greedy's cross-GPU mistakes,
     e.g. giving the big GPU to a model the small one could have served."""
@@ -361,7 +273,7 @@ def _score(prob: Problem, units: list[_Unit]) -> tuple[float, int]:
 def solve_heuristic(prob: Problem) -> Solution:
     """Four greedy passes, the best kept (value, then fewer GPUs), then local improvement."""
     t0 = time.perf_counter()
-    cfg = _Configurator(prob)
+    cfg = Configurator(prob)
     speed = sorted(range(len(prob.pools)), key=lambda i: prob.pools[i].gpu.bandwidth_gbs)
     runs: list[Callable[[], list[_Unit]]] = [
         lambda: _units_from(prob, *unit_greedy(prob)),
