@@ -9,15 +9,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import ValidationError
-
 from engines.config import EngineType
 from engines.launch import add_engine_parser, run_engine_command
+from engines.layered_config import run_cli
 from envhub.llmserve.cli import add_llmserve_parser, run_llmserve
 from envhub.sandbox_check import add_sandbox_parser, run_sandbox
 from envhub.verifier.cli import add_verifier_parser, run_verifier
 from placement.mig.cli import add_placement_parser, run_placement
-from server.config import load_settings
+from server.config import ENV_ALIASES, Settings
 from server.requestid import RequestIdFilter
 
 
@@ -37,14 +36,24 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("http", "port", args.http_port)
     put("metrics", "port", args.metrics_port)
     put("redis", "url", args.redis_url)
+    put("server", "workers", args.workers)
     return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="primerl", description="PrimeRL-ServeKit: RL inference bridge.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the gRPC bridge")
-    serve.add_argument("--config", metavar="FILE", help="TOML settings file")
+    serve = sub.add_parser(
+        "serve",
+        help="run the gRPC bridge",
+        add_help=False,  # --help also lists every layered setting (engines.layered_config)
+        allow_abbrev=False,  # --engine.type and friends go to the layered config, never to --engine
+        description="Every setting is also a flag (--section.key VALUE), config files load with @ FILE.toml "
+        "(several merge left to right), PRIMERL_SECTION__KEY variables are read; precedence: flags > files > "
+        "environment > defaults. --dry-run prints the resolved settings as TOML and exits.",
+    )
+    serve.add_argument("-h", "--help", action="store_true", help="show this help and every setting, then exit")
+    serve.add_argument("--config", metavar="FILE", help="TOML settings file (the same as @ FILE)")
     serve.add_argument("--engine", choices=EngineType.__args__, help="engine implementation")  # type: ignore[attr-defined]
     serve.add_argument(
         "--engine-url", action="append", metavar="URL", help="engine replica URL (repeat or comma-separate)"
@@ -55,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, help="HTTP front door port (OpenAI / vLLM routes; 0 = off)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = off)")
     serve.add_argument("--redis-url", help="redis:// URL of the shared index")
+    serve.add_argument("--workers", type=int, help="bridge processes sharing the port (default 1)")
     serve.add_argument("--log-level", default="INFO", help="logging level")
+    serve.set_defaults(serve_help=serve.format_help)
     add_placement_parser(sub)
     add_verifier_parser(sub)
     add_llmserve_parser(sub)
@@ -110,11 +121,23 @@ def _hash_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_logging(level: str, tag: str = "") -> None:
+    """The bridge's log format (``tag``: what names this process, e.g. a bridge worker's index)."""
+    logging.basicConfig(
+        level=level.upper(), format=f"%(asctime)s %(levelname)s {tag}%(name)s [%(request_id)s]: %(message)s"
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())  # every record gets the request id of the RPC it was logged in
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own flags (bench/matrix.py), passed through
         return _bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "serve":  # only serve takes layered-config tokens (@ FILE, --section.key)
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "placement": run_placement,
         "verifier": run_verifier,
@@ -125,21 +148,30 @@ def main(argv: list[str] | None = None) -> int:
     }
     if (run := commands.get(args.command)) is not None:  # every subcommand but serve
         return run(args)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
-    )
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RequestIdFilter())  # every record gets the request id of the RPC it was logged in
+    configure_logging(args.log_level)
     if args.command == "serve":
+        if args.help:
+            print(args.serve_help())
+            extra = [*extra, "--help"]
         try:
-            settings = load_settings(args.config, **_serve_overrides(args))
-        except (ValidationError, FileNotFoundError) as exc:
-            print(f"primerl: invalid configuration:\n{exc}", file=sys.stderr)
-            return 2
+            settings = run_cli(
+                Settings,
+                extra,
+                prog="primerl serve",
+                files=[args.config] if args.config else [],
+                overrides=_serve_overrides(args),
+                env_aliases=ENV_ALIASES,
+            )
+        except SystemExit as exc:  # --help, --dry-run (0) or an invalid configuration (2, already said)
+            return int(exc.code or 0)
         from server.app import serve
         from server.errors import PrimeRLError
 
         try:
+            if settings.server.workers > 1:  # the parent of N bridge processes (server.workers)
+                from server.workers import run_workers
+
+                return run_workers(settings, args.log_level)
             asyncio.run(serve(settings))
         except (PrimeRLError, OSError) as exc:
             print(f"primerl: cannot start the bridge: {exc}", file=sys.stderr)

@@ -52,7 +52,7 @@ def test_constrained_mode_is_refused_on_engines_that_cannot_mask() -> None:
 
     constrained: dict[str, Any] = {"enabled": True, "mode": "constrained"}
     for engine in ("toy", "vllm", "sglang", "trtllm"):
-        with pytest.raises(ValidationError, match=r"needs engine\.type 'embedded'"):
+        with pytest.raises(ValueError, match=r"needs engine\.type 'embedded'"):  # a ConfigError
             load_settings(engine={"type": engine}, speculation=constrained)
     assert load_settings(engine={"type": "embedded"}, speculation=constrained).speculation.mode == "constrained"
     assert load_settings(engine={"type": "vllm"}, speculation={"enabled": True}).speculation.mode == "draft-only"
