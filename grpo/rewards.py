@@ -36,7 +36,7 @@ def dominance(points: npt.ArrayLike) -> npt.NDArray[np.bool_]:
     p = np.asarray(points, dtype=np.float64)
     ge = (p[:, None, :] >= p[None, :, :]).all(-1)
     gt = (p[:, None, :] > p[None, :, :]).any(-1)
-    return ge & gt
+    return np.asarray(ge & gt, dtype=bool)
 
 
 def pareto_ranks(points: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -95,7 +95,7 @@ def pareto_scores(points: npt.ArrayLike) -> FloatArray:
     return (worst - ranks + 0.5 * scaled) / (worst + 0.5)
 
 
-def relative_ranks(rewards: Sequence[float]) -> FloatArray:
+def relative_ranks(rewards: npt.ArrayLike) -> FloatArray:
     """Average ranks of ``rewards`` scaled to [0, 1] (0 = lowest); 0.5 for a single member."""
     r = np.asarray(rewards, dtype=np.float64)
     if r.size <= 1:

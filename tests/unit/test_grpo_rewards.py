@@ -81,7 +81,7 @@ def test_reward_computer_methods() -> None:
     with pytest.raises(ValueError, match="objective_functions"):
         rc.compute_rewards(batch, "pareto")
     with pytest.raises(ValueError, match="method"):
-        rc.compute_rewards(batch, "best")  # type: ignore[arg-type]
+        rc.compute_rewards(batch, "best")
 
 
 def test_pareto_reward_computer_trades_objectives() -> None:
