@@ -153,29 +153,32 @@ def is_valid_geometry(gpu: GpuType, placements: Iterable[Placement]) -> tuple[bo
     return True, ""
 
 
-def _extend(gpu: GpuType, placements: tuple[Placement, ...], profiles: tuple[MigProfile, ...]) -> Iterator[Placement]:
-    """Placements that can be added to ``placements`` (canonical order avoids duplicates)."""
-    for p in profiles:
-        for s in p.starts:
-            cand = (p.name, s)
-            if placements and cand <= placements[-1]:
+def _geometries(gpu: GpuType, profiles: tuple[MigProfile, ...]) -> Iterator[tuple[tuple[Placement, ...], bool]]:
+    """Every valid non-empty geometry (placements in canonical, increasing order) and whether it is
+    maximal (no placeable profile fits beside it). The ``is_valid_geometry`` rules on bit masks."""
+    cands = [(p, (p.name, s), m) for p in profiles for s, m in p.mask_at.items()]
+    cands.sort(key=lambda c: c[1])
+    extra = [(p, m) for p in gpu.placeable for m in p.mask_at.values()]
+    stack: list[tuple[tuple[Placement, ...], int, int, dict[str, int], int]] = [((), 0, 0, {}, 0)]
+    while stack:
+        cur, used, compute, counts, first = stack.pop()
+        for i in range(first, len(cands)):
+            p, cand, m = cands[i]
+            if used & m or compute + p.compute > COMPUTE_SLICES or counts.get(p.name, 0) >= p.max_count:
                 continue
-            if is_valid_geometry(gpu, (*placements, cand))[0]:
-                yield cand
+            nxt = (*cur, cand)
+            n_used, n_compute, n_counts = used | m, compute + p.compute, {**counts, p.name: counts.get(p.name, 0) + 1}
+            full = not any(
+                not n_used & m2 and n_compute + p2.compute <= COMPUTE_SLICES and n_counts.get(p2.name, 0) < p2.max_count
+                for p2, m2 in extra
+            )
+            yield nxt, full
+            stack.append((nxt, n_used, n_compute, n_counts, i + 1))
 
 
 def all_geometries(gpu: GpuType, include_media: bool = False) -> list[tuple[Placement, ...]]:
     """Every valid non-empty set of placements (sorted tuples) on one GPU of this type."""
-    profiles = gpu.profiles if include_media else gpu.placeable
-    out: list[tuple[Placement, ...]] = []
-    stack: list[tuple[Placement, ...]] = [()]
-    while stack:
-        cur = stack.pop()
-        for cand in _extend(gpu, cur, profiles):
-            nxt = (*cur, cand)
-            out.append(nxt)
-            stack.append(nxt)
-    return sorted(out)
+    return sorted(geo for geo, _ in _geometries(gpu, gpu.profiles if include_media else gpu.placeable))
 
 
 def layout_of(placements: Iterable[Placement]) -> tuple[str, ...]:
@@ -192,9 +195,7 @@ def maximal_layouts(gpu_name: str) -> tuple[tuple[tuple[str, ...], tuple[Placeme
     """
     gpu = GPU_TYPES[gpu_name]
     best: dict[tuple[str, ...], tuple[Placement, ...]] = {}
-    for geo in all_geometries(gpu):
-        if any(is_valid_geometry(gpu, (*geo, (p.name, s)))[0] for p in gpu.placeable for s in p.starts):
-            continue
+    for geo in sorted(geo for geo, full in _geometries(gpu, gpu.placeable) if full):
         best.setdefault(layout_of(geo), geo)
     return tuple(sorted(best.items()))
 
