@@ -9,7 +9,10 @@ Layout::
     store.py      SQLite / PostgreSQL rows; one transaction per batch (entries + checkpoint)
     log.py        TransparencyLog: append, checkpoint, proofs, entries, keys
     service.py    Verifier: grade (threads, per-item deadline), group-commit appender
+    sandboxed.py  untrusted (entry-point function) graders run in the sandbox under their declared policy
+    bridge.py     score by episode id: EndEpisode on the --bridge
     app.py        HTTP JSON surface (Starlette)
+    grpc_app.py   gRPC surface (primerl.v1.Verifier: Score, ScoreBatch; health, reflection)
     verify.py     offline checks (entry + proof + checkpoint, consistency, audit)
     config.py     VerifierConfig
     cli.py        primerl verifier serve | verify | audit | rotate-key

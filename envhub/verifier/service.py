@@ -1,7 +1,8 @@
 """The verifier core: grade a trajectory with a registered grader, sign the verdict, append it to the log.
 
-One request (or batch item) is graded in a thread of ``grader_threads`` under ``grader_timeout_s``
-(graders are synchronous functions); a failing or late item fails alone. Graded verdicts go to one
+One request (or batch item) is graded in a thread of ``grader_threads`` under ``grader_timeout_s`` (or
+the item's smaller ``timeout_s``; trusted graders are synchronous functions), or, for an untrusted
+grader (``sandboxed.py``), in a sandboxed process; a failing or late item fails alone. Graded verdicts go to one
 named background task, the *appender*, which takes everything queued (up to ``max_batch`` verdicts),
 signs and appends it in one transaction with one checkpoint on the log's single writer thread, and
 fans the receipts back to the waiting requests: group commit, so concurrent callers share a checkpoint.
@@ -10,8 +11,9 @@ The reward is a function of (grader id and version, trajectory, params) alone: g
 deterministic by contract (``envhub.graders``). What varies between two scorings of the same input is
 ``predicate.timings`` and the log index.
 
-A grader past its deadline cannot be killed (it is a thread): its item fails with DEADLINE_EXCEEDED,
-the thread finishes in the background and holds a pool slot until then.
+A trusted grader past its deadline cannot be killed (it is a thread): its item fails with
+DEADLINE_EXCEEDED, the thread finishes in the background and holds a pool slot until then. A sandboxed
+grader past its deadline is killed (its process group), so untrusted code never outlives its item.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import asyncio
 import datetime as dt
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -34,6 +36,7 @@ from envhub.verifier.bridge import BridgeSource, no_bridge
 from envhub.verifier.config import VerifierConfig
 from envhub.verifier.keys import KeyRing
 from envhub.verifier.log import Receipt, TransparencyLog
+from envhub.verifier.sandboxed import SandboxedGrader
 from envhub.verifier.statement import Trajectory, Verdict, VerdictSample, canonical_json
 from envhub.verifier.store import LogStore
 from rl_client.types import Trajectory as BridgeTrajectory
@@ -96,11 +99,20 @@ def validation_fields(exc: ValidationError) -> tuple[str, list[dict[str, str]]]:
     return "; ".join(f"{f['field']}: {f['message']}" for f in fields), fields
 
 
+def sandbox_sample(trajectory: Trajectory, params: Mapping[str, Any]) -> dict[str, Any]:
+    """What a sandboxed grader's function receives: the trajectory JSON (NaN logprob -> null) and the params."""
+    t = trajectory.model_dump(mode="json")
+    t["logprobs"] = [None if x is None or math.isnan(x) else x for x in trajectory.logprobs]
+    return {"trajectory": t, "params": dict(params)}
+
+
 def load_entry_point_graders(group: str = ENTRY_POINT_GROUP) -> list[str]:
     """Register the graders that installed packages declare under the ``primerl.graders`` entry point group."""
     added = []
     for ep in entry_points(group=group):
         grader = ep.load()
+        if not hasattr(grader, "name"):  # a plain function: untrusted, runs in the sandbox (sandboxed.py)
+            grader = SandboxedGrader.from_function(ep.name, grader)
         if grader.name not in grader_names():
             register_grader(grader)
             added.append(grader.name)
@@ -165,9 +177,12 @@ class Verifier:
         timeout, bound = self.config.grader_timeout_s, "grader_timeout_s"
         if req.timeout_s is not None and req.timeout_s < timeout:
             timeout, bound = req.timeout_s, "timeout_s"
-        future = asyncio.get_running_loop().run_in_executor(self._graders, grader, sample)
+        if isinstance(grader, SandboxedGrader):  # a process: cancelled on the deadline, its group is killed
+            work: Awaitable[Any] = grader.grade(sandbox_sample(req.trajectory, req.params))
+        else:
+            work = asyncio.get_running_loop().run_in_executor(self._graders, grader, sample)
         try:
-            value = await asyncio.wait_for(future, timeout)
+            value = await asyncio.wait_for(work, timeout)
         except TimeoutError:
             raise DeadlineExceeded(f"grader {req.grader!r} took longer than {bound}={timeout:g}") from None
         except PrimeRLError:
