@@ -34,7 +34,9 @@ def test_committed_baselines_are_well_formed() -> None:
     for section in baselines.values():
         for name, spec in section.items():
             assert spec["better"] in ("lower", "higher"), name
-            assert spec["tolerance"] >= 0 and "why" in spec, name
+            assert "why" in spec, name
+    for name, spec in baselines["fast"].items():
+        assert spec["tolerance"] >= 0, name
 
 
 def test_the_fleet_probes_pass_and_an_injected_round_robin_fails_them() -> None:
