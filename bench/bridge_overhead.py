@@ -20,7 +20,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,7 +35,10 @@ from rl_client import AsyncBridgeClient
 from rl_client.errors import UnavailableError
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5]
-TURNS_PER_EPISODE = 32  # then a fresh episode: histories stay under 600 tokens
+TURNS_PER_EPISODE = 32  # then a fresh episode: histories stay under 600 tokens (2,100 streamed)
+# The Steps whose server CPU is compared with the floor's: (name, tokens, streamed). Streamed Steps of 64 tokens
+# arrive in 4 chunks (the toy engine emits 16 tokens at a time; the floor sends the same 4).
+MODES = (("unary 16-token", 16, False), ("streamed 64-token", 64, True))
 
 
 async def direct(n: int, tokens: int) -> list[float]:
@@ -77,29 +82,54 @@ async def measured(pid: int, work: Awaitable[object]) -> tuple[float, float, flo
     return time.perf_counter() - start, cpu_seconds(pid) - cpu0, time.process_time() - own0
 
 
-async def throughput(
-    client: AsyncBridgeClient, episodes: int, seconds: float, pid: int, turns: int = TURNS_PER_EPISODE
+async def load(
+    client: AsyncBridgeClient,
+    pid: int,
+    seconds: float,
+    *,
+    tokens: int = 16,
+    stream: bool = False,
+    floor: bool = False,
+    turns: int = TURNS_PER_EPISODE,
 ) -> tuple[float, float, float]:
-    """(Steps/s, Steps per bridge CPU-second, client CPU-seconds per Step) with ``episodes`` in flight; each runs
-    ``turns`` turns, then a fresh one takes its place (bounded histories, as in RL rollouts; StartEpisode calls
-    are not counted)."""
-    sampling = {"max_tokens": 16, "ignore_eos": True}
+    """(Steps/s, Steps per server CPU-second, client CPU-seconds per Step) with 64 Steps in flight, each of
+    ``tokens`` tokens, whole or ``stream``ed. Against the bridge each of the 64 episodes runs ``turns`` turns,
+    then a fresh one takes its place (bounded histories, as in RL rollouts; StartEpisode and EndEpisode calls
+    are not counted as Steps, their CPU is); against the floor (``floor``) there are no episodes."""
+    sampling = {"max_tokens": tokens, "ignore_eos": True}
+    per_step = {"max_tokens": tokens} if floor else None  # the floor has no episode to remember it
     done = 0
     stop = time.perf_counter() + seconds
+
+    async def one(ep: str) -> None:
+        if stream:
+            async for _chunk in client.stream_step(ep, [9], sampling=per_step):
+                pass
+        else:
+            await client.step(ep, [9], sampling=per_step)
 
     async def worker() -> None:
         nonlocal done
         while time.perf_counter() < stop:
-            ep = (await client.start_episode(PROMPT, sampling=sampling)).episode_id
+            ep = "floor" if floor else (await client.start_episode(PROMPT, sampling=sampling)).episode_id
             for _ in range(turns):
                 if time.perf_counter() >= stop:
                     break
-                await client.step(ep, [9])
+                await one(ep)
                 done += 1
-            await client.discard_episode(ep)
+            if not floor:
+                await client.discard_episode(ep)
 
-    elapsed, cpu, own = await measured(pid, asyncio.gather(*(worker() for _ in range(episodes))))
+    elapsed, cpu, own = await measured(pid, asyncio.gather(*(worker() for _ in range(64))))
     return done / elapsed, done / cpu, own / done
+
+
+async def throughput(
+    client: AsyncBridgeClient, episodes: int, seconds: float, pid: int, turns: int = TURNS_PER_EPISODE
+) -> tuple[float, float, float]:
+    """(Steps/s, Steps per bridge CPU-second, client CPU-seconds per Step), 64 unary 16-token Steps in flight."""
+    assert episodes == 64
+    return await load(client, pid, seconds, turns=turns)
 
 
 def checkout(rev: str) -> Path:
@@ -114,18 +144,41 @@ def checkout(rev: str) -> Path:
     return tree
 
 
-async def cpu_per_step(tree: Path | None, seconds: float) -> float:
-    """Bridge CPU-seconds per Step (64 in flight, one toy replica) of the code in ``tree`` (None: this tree)."""
-    proc, port = start_bridge("--engine", "toy", tree=tree)
+@asynccontextmanager
+async def serving(
+    floor: bool = False, tree: Path | None = None, env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[AsyncBridgeClient, int]]:
+    """A client of a fresh server process and its pid: the bare gRPC floor (``floor``) or a toy bridge (of the
+    code in ``tree``, None: this tree; ``env``: extra PRIMERL_* settings), warmed up."""
+    if floor:
+        proc, port = start_floor()
+    else:
+        proc, port = start_bridge("--engine", "toy", env=env, tree=tree)
     try:
         async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
-            await client.wait_until_ready(60)
-            await through_bridge(client, 20, 16, False)  # warm-up
-            _, per_cpu_s, _ = await throughput(client, 64, seconds, proc.pid)
-            return 1 / per_cpu_s
+            if floor:
+                for _ in range(300):  # until it listens (it has no health service)
+                    try:
+                        await client.step("floor")
+                        break
+                    except UnavailableError:
+                        await asyncio.sleep(0.1)
+                for _ in range(20):
+                    await client.step("floor")
+            else:
+                await client.wait_until_ready(60)
+                await through_bridge(client, 20, 16, False)  # warm-up
+            yield client, proc.pid
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+async def cpu_per_step(tree: Path | None, seconds: float) -> float:
+    """Bridge CPU-seconds per Step (64 in flight, one toy replica) of the code in ``tree`` (None: this tree)."""
+    async with serving(tree=tree) as (client, pid):
+        _, per_cpu_s, _ = await load(client, pid, seconds)
+        return 1 / per_cpu_s
 
 
 async def against(rev: str, seconds: float, rounds: int) -> tuple[list[float], list[float]]:
@@ -146,65 +199,73 @@ def start_floor() -> tuple[subprocess.Popen[bytes], int]:
     return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1]), port
 
 
-async def floor(n: int, seconds: float) -> tuple[list[float], float, float, float]:
-    """(sequential Step latencies, Steps/s, Steps per server CPU-second and client CPU-seconds per Step with 64 in
-    flight) on the floor."""
-    proc, port = start_floor()
-    try:
-        async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
-            for _ in range(300):  # until it listens (it has no health service)
-                try:
-                    await client.step("floor")
-                    break
-                except UnavailableError:
-                    await asyncio.sleep(0.1)
-            for _ in range(20):
-                await client.step("floor")
-            lat = []
-            for _ in range(n):
-                start = time.perf_counter()
-                await client.step("floor")
-                lat.append(time.perf_counter() - start)
-            done = 0
-            stop = time.perf_counter() + seconds
+async def sequential(client: AsyncBridgeClient, n: int) -> list[float]:
+    """Latencies of ``n`` Steps one after another on the floor."""
+    lat = []
+    for _ in range(n):
+        start = time.perf_counter()
+        await client.step("floor")
+        lat.append(time.perf_counter() - start)
+    return lat
 
-            async def worker() -> None:
-                nonlocal done
-                while time.perf_counter() < stop:
-                    await client.step("floor", [9])
-                    done += 1
 
-            elapsed, cpu, own = await measured(proc.pid, asyncio.gather(*(worker() for _ in range(64))))
-            return lat, done / elapsed, done / cpu, own / done
-    finally:
-        proc.terminate()
-        proc.wait(30)
+@dataclass
+class Pair:
+    """One kind of Step under load, on the bridge and on the floor, one measurement per round."""
+
+    bridge: list[tuple[float, float, float]] = field(default_factory=list)  # (Steps/s, server CPU/Step, client's)
+    floor: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def ratios(self) -> list[float]:
+        return [b[1] / f[1] for b, f in zip(self.bridge, self.floor, strict=True)]
+
+    def median(self, side: str, i: int) -> float:
+        return pct([x[i] for x in getattr(self, side)], 50)
+
+
+async def side_by_side(
+    bridge: tuple[AsyncBridgeClient, int], floor: tuple[AsyncBridgeClient, int], seconds: float, rounds: int
+) -> dict[str, Pair]:
+    """Each kind of Step (MODES) under load on the bridge and on the floor, alternately, ``rounds`` times: the same
+    machine load for both, so their ratio holds while the machine's load drifts (other work on its cores)."""
+    out = {name: Pair() for name, _, _ in MODES}
+    for r in range(rounds):
+        for name, tokens, stream in MODES:
+            sides = [("bridge", bridge), ("floor", floor)]
+            for side, (client, pid) in sides if r % 2 == 0 else reversed(sides):
+                steps_per_s, per_cpu_s, own = await load(
+                    client, pid, seconds, tokens=tokens, stream=stream, floor=side == "floor"
+                )
+                getattr(out[name], side).append((steps_per_s, 1 / per_cpu_s, own))
+    return out
+
+
+def cpu_row(name: str, pair: Pair, rounds: int) -> tuple[str, str, str]:
+    ratios = pair.ratios()
+    return (
+        f"server CPU per {name} Step, bridge / bare gRPC server (64 in flight; median of {rounds} alternating "
+        "rounds, range of the per-round ratio)",
+        f"{pair.median('bridge', 1) * 1e6:,.0f} / {pair.median('floor', 1) * 1e6:,.0f} us = "
+        f"{pct(ratios, 50):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)",
+        "<= 1.3x",
+    )
 
 
 async def main(n: int, seconds: float, rev: str = "", rounds: int = 3) -> None:
     base16 = await direct(n, 16)
     base256 = await direct(max(20, n // 10), 256)
-    floor16, floor_per_s, floor_per_cpu_s, floor_client_cpu = await floor(n, seconds)
-    proc, port = start_bridge("--engine", "toy")
-    try:
-        async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
-            await client.wait_until_ready(60)
-            await through_bridge(client, 20, 16, False)  # warm-up
-            bridged16 = await through_bridge(client, n, 16, False)
-            bridged256 = await through_bridge(client, max(20, n // 10), 256, True)
-            steps_per_s, steps_per_cpu_s, client_cpu = await throughput(client, 64, seconds, proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    async with serving(floor=True) as floor, serving() as bridge:
+        floor16 = await sequential(floor[0], n)
+        bridged16 = await through_bridge(bridge[0], n, 16, False)
+        bridged256 = await through_bridge(bridge[0], max(20, n // 10), 256, True)
+        pairs = await side_by_side(bridge, floor, seconds, rounds)
     # Two replicas: every turn is routed through the prefix index (cache-aware), as in a fleet.
-    proc, port = start_bridge("--engine", "toy", env={"PRIMERL_ENGINE__REPLICAS": "2"})
-    try:
-        async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
-            await client.wait_until_ready(60)
-            routed_per_s, routed_per_cpu_s, _ = await throughput(client, 64, seconds, proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    async with serving(env={"PRIMERL_ENGINE__REPLICAS": "2"}) as (client, pid):
+        routed_per_s, routed_per_cpu_s, _ = await load(client, pid, seconds)
+    unary, streamed = pairs[MODES[0][0]], pairs[MODES[1][0]]
+    steps_per_s, bridge_cpu, client_cpu = (unary.median("bridge", i) for i in range(3))
+    floor_per_s, floor_cpu, floor_client_cpu = (unary.median("floor", i) for i in range(3))
+    steps_per_cpu_s, floor_per_cpu_s = 1 / bridge_cpu, 1 / floor_cpu
     added_p50 = (pct(bridged16, 50) - pct(base16, 50)) * 1e3
     added_p99 = (pct(bridged16, 99) - pct(base16, 99)) * 1e3
     per_token = (pct(bridged256, 50) - pct(base256, 50)) / 256 * 1e6
@@ -212,7 +273,6 @@ async def main(n: int, seconds: float, rev: str = "", rounds: int = 3) -> None:
     # What this machine's CPUs allow at most: the server and the client share its cores, so Steps/s can never
     # exceed cores / (server + client CPU per Step). Both costs are measured above, in this run.
     cores = os.cpu_count() or 1
-    bridge_cpu = 1 / steps_per_cpu_s
     ceiling = cores / (bridge_cpu + client_cpu)
     floor_ceiling = cores / (1 / floor_per_cpu_s + floor_client_cpu)
     rows = [
@@ -245,6 +305,7 @@ async def main(n: int, seconds: float, rev: str = "", rounds: int = 3) -> None:
             "",
         ),
         ("Steps/s, 2 replicas, cache-aware routing (wall clock)", f"{routed_per_s:,.0f}", ""),
+        *(cpu_row(name, pair, rounds) for name, pair in pairs.items()),
         ("Steps per bridge CPU-second, 2 replicas", f"{routed_per_cpu_s:,.0f}", ""),
     ]
     figures = {
@@ -264,6 +325,10 @@ async def main(n: int, seconds: float, rev: str = "", rounds: int = 3) -> None:
         "grpc_floor_client_cpu_us_per_step": floor_client_cpu * 1e6,
         "cpu_ceiling_steps_per_s": ceiling,
         "grpc_floor_cpu_ceiling_steps_per_s": floor_ceiling,
+        "streamed64_bridge_cpu_us_per_step": streamed.median("bridge", 1) * 1e6,
+        "streamed64_grpc_floor_cpu_us_per_step": streamed.median("floor", 1) * 1e6,
+        "unary16_cpu_ratio_rounds": unary.ratios(),
+        "streamed64_cpu_ratio_rounds": streamed.ratios(),
     }
     ratios: dict[str, float] = {}
     if rev:
@@ -295,6 +360,8 @@ async def main(n: int, seconds: float, rev: str = "", rounds: int = 3) -> None:
             "bridge_over_direct_p50": pct(bridged16, 50) / pct(base16, 50),
             "bridge_over_grpc_floor_p50": pct(bridged16, 50) / floor_p50,
             "bridge_cpu_efficiency_vs_grpc_floor": steps_per_cpu_s / floor_per_cpu_s,
+            "bridge_cpu_over_grpc_floor_unary16": pct(unary.ratios(), 50),
+            "bridge_cpu_over_grpc_floor_streamed64": pct(streamed.ratios(), 50),
             "bridge_over_direct_256_tokens_p50": pct(bridged256, 50) / pct(base256, 50),
         },
     )
@@ -305,6 +372,8 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=500, help="Steps per latency measurement")
     ap.add_argument("--seconds", type=float, default=10.0, help="duration of the throughput phase")
     ap.add_argument("--against", default="", metavar="REV", help="also measure the bridge of git revision REV")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating runs per tree with --against")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="alternating bridge/floor load rounds (and runs per tree with --against)"
+    )
     args = ap.parse_args()
     asyncio.run(main(args.steps, args.seconds, args.against, args.rounds))
