@@ -29,6 +29,7 @@ from server.auth import AuthInterceptor, load_tenants, server_credentials
 from server.bridge import Bridge
 from server.config import Settings
 from server.control_member import join_fleet
+from server.control_router import FleetOwnerInterceptor
 from server.errors import InvalidArgument
 from server.http import HttpFrontDoor, create_app
 from server.persistence import EpisodeJournal
@@ -202,6 +203,8 @@ async def create_server(
         log.info("authentication off: any client may call the bridge (configure auth.* to require tokens)")
     if worker is not None:  # innermost: a forwarded call is authenticated here and again by its owner
         interceptors.append(worker.interceptor(settings.persistence.enabled))
+    if settings.fleet.enabled:  # innermost too: a Step for another bridge's episode goes to that bridge
+        interceptors.append(FleetOwnerInterceptor(bridge, settings.persistence.enabled))
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", limit),

@@ -445,6 +445,10 @@ class Bridge:
             self._check_rewards(req, episode)
         await self.episodes.delete(episode)
         self.store.pop(episode.id, req.tenant)
+        if self.fleet is not None:
+            await self.fleet.disown(episode.id)
+        if self.fleet is not None:
+            await self.fleet.disown(episode.id)
         await self._forget(episode)
         rewards = req.rewards
         if (session := self._envs.pop(episode.id, None)) is not None:

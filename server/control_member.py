@@ -122,9 +122,7 @@ class FleetMember:
         try:
             record = await self.store.model(self.model)
         except RegistryUnavailable as exc:
-            if self.bridge is not None:
-                self.bridge.metrics.fail_open.labels(COMPONENT).inc()
-            log.warning("%s; serving with the last-known registry (version %d)", exc.message, self.record.version)
+            self.failed_open(exc)
             if self._paused_for is not None and time.monotonic() - self._paused_at > self.config.update_timeout_s:
                 self._resume("its update could not be seen ending within fleet.update_timeout_s")
             return self.record
@@ -219,9 +217,19 @@ class FleetMember:
         try:
             await self.store.own(episode_ids, self.address)
         except RegistryUnavailable as exc:
-            if self.bridge is not None:
-                self.bridge.metrics.fail_open.labels(COMPONENT).inc()
-            log.warning("%s: episodes %s are not findable by other bridges", exc.message, episode_ids[:3])
+            self.failed_open(exc)
+
+    async def disown(self, episode_id: str) -> None:
+        try:
+            await self.store.disown(episode_id)
+        except RegistryUnavailable as exc:  # the record expires by itself (fleet.episode_ttl_s)
+            self.failed_open(exc)
+
+    def failed_open(self, exc: PrimeRLError) -> None:
+        """A registry call failed: go on with the last-known record, counted and logged."""
+        if self.bridge is not None:
+            self.bridge.metrics.fail_open.labels(COMPONENT).inc()
+        log.warning("%s; serving with the last-known registry (version %d)", exc.message, self.record.version)
 
 
 def update_record(record: ModelRecord, update: Update) -> ModelRecord:

@@ -1,0 +1,87 @@
+"""Fleet routing with real bridge processes (issue 21, acceptances 3 and 2).
+
+Two fleet bridges on one private Redis over two stand-in engine processes:
+
+* persistence off (the default): an episode started on A and stepped and ended through B (the client pinned to
+  the non-owner) is served: B forwards each call to A, and the trajectory B returns holds every turn;
+* persistence on: A is killed with SIGKILL between two Steps of an episode; the client's next call to A fails
+  UNAVAILABLE once, the same Step through B is served (B finds A unreachable and takes the episode over from
+  Redis), and the trajectory is exactly what the client saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from engines.launch import free_port
+from rl_client.errors import NotFoundError, UnavailableError
+from tests.integration.fleet_bridge import FleetBridgeProcess, fleet_env
+from tests.integration.redis_proc import PrivateRedis
+from tests.standins.serve import StandinProcess
+
+PROMPT = [1, 4, 30, 31, 32, 2, 5] * 3
+SAMPLING = {"max_tokens": 6, "ignore_eos": True, "seed": 2}
+
+
+@pytest.fixture
+def engines() -> Iterator[list[str]]:
+    procs = [StandinProcess("sglang", free_port()) for _ in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        yield [p.url for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture
+async def fleet(
+    request: pytest.FixtureRequest, redis_server: PrivateRedis, engines: list[str]
+) -> AsyncIterator[tuple[FleetBridgeProcess, FleetBridgeProcess]]:
+    persistence = getattr(request, "param", "false")
+    env = fleet_env(redis_server.url, PRIMERL_PERSISTENCE__ENABLED=persistence)
+    a, b = FleetBridgeProcess(engines, env), FleetBridgeProcess(engines, env)
+    try:
+        await asyncio.gather(a.ready(), b.ready())
+        yield a, b
+    finally:
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_step_sent_to_the_wrong_bridge_is_forwarded_to_its_owner(
+    fleet: tuple[FleetBridgeProcess, FleetBridgeProcess],
+) -> None:
+    a, b = fleet
+    ep = (await a.client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
+    first = await b.client.step(ep)  # B does not hold it (no persistence): A serves it
+    streamed = [t async for chunk in b.client.stream_step(ep, [9, 10]) for t in chunk.token_ids]
+    traj = await b.client.end_episode(ep)
+    one, two = traj.turns
+    assert traj.token_ids[: len(PROMPT)].tolist() == PROMPT
+    assert traj.token_ids[one.generation_start : one.end].tolist() == first.token_ids.tolist()
+    assert traj.token_ids[one.end : two.generation_start].tolist() == [9, 10]
+    assert traj.token_ids[two.generation_start : two.end].tolist() == streamed
+    with pytest.raises(NotFoundError):  # ended on its owner: gone everywhere
+        await a.client.step(ep)
+
+
+@pytest.mark.parametrize("fleet", ["true"], indirect=True)
+async def test_a_bridge_killed_mid_episode_its_episode_continues_through_another(
+    fleet: tuple[FleetBridgeProcess, FleetBridgeProcess],
+) -> None:
+    a, b = fleet
+    ep = (await a.client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
+    first = await a.client.step(ep)
+    a.kill()
+    with pytest.raises(UnavailableError):  # the one UNAVAILABLE the trainer sees
+        await a.client.step(ep, [9, 10], timeout=5)
+    second = await b.client.step(ep, [9, 10])  # B: owner A unreachable -> taken over from Redis
+    third = await b.client.step(ep, [11])
+    traj = await b.client.end_episode(ep)
+    expected = [*PROMPT, *first.token_ids, 9, 10, *second.token_ids, 11, *third.token_ids]
+    assert traj.token_ids.tolist() == expected
+    assert [t.finish_reason for t in traj.turns] == ["length"] * 3
