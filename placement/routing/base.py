@@ -32,6 +32,8 @@ class RouteRequest:
     hashes: Sequence[int] | None = None
     prompt_tokens: int | None = None  # defaults to len(token_ids)
     first_turn: bool = False  # no pin can exist yet: skip the pin look-ups
+    # The replica the episode is on now (its persisted record, the same on every bridge); None: unknown.
+    current: int | None = None
 
     @property
     def n_prompt(self) -> int:

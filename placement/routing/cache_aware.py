@@ -7,7 +7,8 @@
   ``load_r > balance_rel x (min_load + 1)`` (SGLang's imbalance test, per replica), so a hot
   replica sheds new episodes but keeps the turns whose KV it holds while it is not hot.
 - When the index fails open (Redis down or slow) the same formula runs with no cached
-  prefixes: load-only routing, plus this bridge's own episode pins.
+  prefixes: load-only routing, and a continuing episode stays on its current replica
+  (``RouteRequest.current``, else this bridge's own pin).
 
 Pins live ``pin_ttl_s`` (``cache.affinity_ttl_s``). Invariants: ``choose`` never raises for
 index trouble; the prefix credited to a replica only comes from hashes salted with the
@@ -64,12 +65,14 @@ class CacheAware(PolicyBase):
 
         return min(cands, key=cost)
 
-    async def _pinned(self, key: str, local: dict[str, int], first: bool) -> int | None:
-        # The shared pin wins (another bridge may have moved the episode); this bridge's own
-        # pin is the fallback when the index has none or cannot answer.
+    async def _pinned(self, key: str, local: dict[str, int], first: bool, current: int | None = None) -> int | None:
+        # The shared pin wins (another bridge may have moved the episode). When the index has none
+        # or cannot answer, the episode's current replica (its persisted record, which every bridge
+        # reads) comes before this bridge's own pin: another bridge may have moved the episode since,
+        # and two bridges each sticking to a different pin would move it back and forth every turn.
         r = None if first else await self.index.pinned(key)
         if r is None:
-            r = local.get(key)
+            r = current if current is not None else local.get(key)
         elif local.get(key, r) != r:
             local[key] = r
         return r if self.replicas.ok(r) else None
@@ -90,7 +93,7 @@ class CacheAware(PolicyBase):
             reason = "group"
         else:
             # 2. A continuing episode stays where its KV is, unless that replica is hot.
-            p = await self._pinned(ekey, self._episodes, req.first_turn)
+            p = await self._pinned(ekey, self._episodes, req.first_turn, req.current)
             if p is not None and p not in hot:
                 r, reason = p, "sticky"
             else:

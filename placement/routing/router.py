@@ -146,7 +146,9 @@ class Router:
         history = [*episode.token_ids, *observation]
         hashes = self._hashes(episode.id, history, salt) if self.index is not None else None
         decision = await self.policy.choose(
-            RouteRequest(episode.id, group, history, salt, len(history) + est_new, hashes=hashes)
+            RouteRequest(
+                episode.id, group, history, salt, len(history) + est_new, hashes=hashes, current=episode.replica
+            )
         )
         self.routes[episode.id] = (decision, salt)
         old = episode.replica

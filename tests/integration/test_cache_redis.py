@@ -96,6 +96,35 @@ async def test_alternating_bridges_keep_an_episode_and_a_group_on_one_replica(
     assert len(reps) == 1
 
 
+async def test_a_bridge_whose_index_fails_keeps_an_episode_on_its_current_replica(redis_server: PrivateRedis) -> None:
+    """Bridge A's Redis is unreachable (every lookup, pin and write fails open), bridge B's is healthy: turns
+    alternating between them must not ping-pong the episode between A's own pin and the shared pin. A falls
+    back to the episode's current replica (its persisted record, ``RouteRequest.current``)."""
+    dead = PrivateRedis()
+    dead.start()
+    dead.close()  # a stopped private Redis: connections are refused
+    a_idx, b_idx = RedisIndex(dead.url, CFG), RedisIndex(redis_server.url, CFG)
+    pa, pb = CacheAware(4, a_idx, FP), CacheAware(4, b_idx, FP)
+    try:
+        history = list(range(30))
+        first = await pb.choose(req("ep", history, first=True))
+        await pb.observe(first, 0)
+        pa.replicas.begin(first.replica, 100)  # A's load view: that replica is its busiest (load-only moves away)
+        current = first.replica  # what persistence hands the next bridge
+        for turn in range(1, 7):
+            history += [1000 + turn] * 9
+            p = (pa, pb)[turn % 2]
+            d = await p.choose(RouteRequest("ep", "", history, SALT, len(history) + 8, current=current))
+            await p.observe(d, d.matched_tokens)
+            assert d.replica == first.replica, (turn, d)
+            current = d.replica
+        await a_idx.flush()
+        assert a_idx.stats.fail_open >= 3 and a_idx.stats.errors >= 1  # A really ran without its index
+    finally:
+        await a_idx.close()
+        await b_idx.close()
+
+
 async def test_bounds_and_eviction_match_the_memory_backend(redis_server: PrivateRedis) -> None:
     now = [5000.0]
     cfg = CacheConfig(block_size=BS, default_capacity_blocks=6, write_timeout_ms=2000, near_cache_ttl_s=0)
