@@ -205,14 +205,9 @@ async def create_server(
         interceptors.append(worker.interceptor(settings.persistence.enabled))
     if settings.fleet.enabled:  # innermost too: a Step for another bridge's episode goes to that bridge
         interceptors.append(FleetOwnerInterceptor(bridge, settings.persistence.enabled))
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            *(worker.server_options() if worker is not None else ()),
-        ],
-        interceptors=interceptors,
-    )
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    options += worker.server_options() if worker is not None else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     pb_grpc.add_PrimeRLServicer_to_server(PrimeRLService(bridge, settings.server.stream_interval_ms), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

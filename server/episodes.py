@@ -118,9 +118,10 @@ class EpisodeStore:
     def __iter__(self) -> Iterator[Episode]:
         return iter(list(self._episodes.values()))
 
-    @staticmethod
-    def new_id() -> str:
-        return "ep-" + secrets.token_hex(16)
+    id_prefix = "ep-"  # a bridge worker's store sets its own (server.workers: ids name their owner)
+
+    def new_id(self) -> str:
+        return self.id_prefix + secrets.token_hex(16)
 
     def admit(self, count: int, tenant: str = "", per_tenant: int = 0) -> None:
         """Raise ResourceExhausted unless ``count`` more episodes fit (bridge-wide, and for ``tenant``)."""

@@ -11,8 +11,14 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,7 @@ from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.forward import Forwarder, OwnerUnreachable, passthrough
 from tests.conftest import StartBridge
+from tests.integration.redis_proc import PrivateRedis
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [1, 4, 30, 31, 32, 2, 5]
@@ -144,3 +151,142 @@ async def test_an_unreachable_owner_is_reported_or_raised() -> None:
         await front.stop(0)
         await other.stop(0)
         await forwarder.close()
+
+
+class Workers:
+    """A real ``primerl serve --workers 2`` (toy engine, persistence in a private Redis) and its log."""
+
+    def __init__(self, log_path: Path, redis_url: str) -> None:
+        self.port, self.log_path = _free_port(), log_path
+        env = {
+            **os.environ,
+            "PRIMERL_HTTP__PORT": "0",
+            "PRIMERL_ENGINE__TOY__SEED": "3",
+            "PRIMERL_REDIS__URL": redis_url,
+            "PRIMERL_PERSISTENCE__ENABLED": "true",
+            "PRIMERL_SERVER__GRACE_PERIOD_S": "2",
+        }
+        cmd = [sys.executable, "-m", "server", "serve", "--engine", "toy", "--workers", "2", "--port", str(self.port)]
+        with log_path.open("wb") as out:
+            self.proc = subprocess.Popen([*cmd, "--metrics-port", "0"], cwd=ROOT, env=env, stderr=out, stdout=out)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def pids(self) -> dict[int, int]:
+        """The newest pid of each worker, as the parent logged it."""
+        return {int(w): int(p) for w, p in re.findall(r"worker (\d+) started \(pid (\d+)\)", self.log())}
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while len(re.findall(pattern, self.log())) < count:
+            assert self.proc.poll() is None, f"primerl serve exited:\n{self.log()}"
+            assert time.monotonic() < deadline, f"no {pattern!r} ({count}x) in the log:\n{self.log()}"
+            time.sleep(0.2)
+
+    def close(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    redis = PrivateRedis()
+    redis.start()
+    proc = Workers(tmp_path_factory.mktemp("workers") / "serve.log", redis.url)
+    try:
+        proc.wait_for(r"worker \d primerl\.server \[-\]: PrimeRL bridge serving", count=2)
+        yield proc
+        assert proc.close() == 0, proc.log()
+        assert "stopping 2 workers" in proc.log()
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+        redis.close()
+
+
+async def _by_worker(port: int, stack: AsyncExitStack, want: int = 2) -> dict[int, pb_grpc.PrimeRLAsyncStub]:
+    """Channels, each its own TCP connection, until ``want`` workers each hold one (keyed by worker index)."""
+    found: dict[int, pb_grpc.PrimeRLAsyncStub] = {}
+    for _ in range(64):
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        await stack.enter_async_context(channel)
+        stub = pb_grpc.PrimeRLStub(channel)
+        started = await stub.StartEpisode(pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT)), timeout=30)
+        ep = started.episode_ids[0]
+        await stub.EndEpisode(pb.EndEpisodeRequest(episode_id=ep, discard=True), timeout=30)
+        found.setdefault(int(ep.split("-")[1][1:]), stub)
+        if len(found) == want:
+            return found
+    raise AssertionError(f"64 connections reached only workers {sorted(found)}")
+
+
+def _trailers(metadata: Any) -> dict[str, str]:
+    return {k: v for k, v in metadata or () if k.startswith("primerl-")}
+
+
+async def test_an_episode_is_served_by_its_worker_through_any_connection(workers: Workers) -> None:
+    async with AsyncExitStack() as stack:
+        stubs = await _by_worker(workers.port, stack)
+        for owner, other in ((0, 1), (1, 0)):
+            a, b = stubs[owner], stubs[other]
+            want = await _episode(a)  # all on the owner
+            start = pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT), sampling=SAMPLING)
+            ep = (await a.StartEpisode(start)).episode_ids[0]
+            assert ep.startswith(f"ep-w{owner}-")
+            call = b.Step(pb.StepRequest(episode_id=ep, stream=True))
+            streamed = [t async for c in call for t in c.token_ids]
+            assert ("primerl-accepted", "1") in tuple(await call.initial_metadata())
+            assert _trailers(await call.trailing_metadata()) == {
+                "primerl-worker": str(owner),
+                "primerl-forwarded-by": str(other),
+            }
+            unary = [
+                t
+                async for c in b.Step(pb.StepRequest(episode_id=ep, observation_token_ids=pb.TokenIds(ids=[9, 8])))
+                for t in c.token_ids
+            ]
+            end = b.EndEpisode(pb.EndEpisodeRequest(episode_id=ep, rewards=[1.0]))
+            trajectory = (await end).trajectory
+            assert _trailers(await end.trailing_metadata())["primerl-worker"] == str(owner)
+            assert streamed == want[0] and unary == want[1]
+            assert _exact(trajectory) == _exact(want[2])
+            assert list(trajectory.token_ids) == PROMPT + streamed + [9, 8] + unary
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # the owner's answer, forwarded
+                await b.EndEpisode(pb.EndEpisodeRequest(episode_id=ep))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND and ep in (err.value.details() or "")
+            assert _trailers(err.value.trailing_metadata())["primerl-worker"] == str(owner)
+
+
+async def test_a_killed_worker_is_restarted_and_its_episode_goes_on(workers: Workers) -> None:
+    async with AsyncExitStack() as stack:
+        stubs = await _by_worker(workers.port, stack)
+        reference = await _episode(stubs[0])
+        start = pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT), sampling=SAMPLING)
+        ep = (await stubs[1].StartEpisode(start)).episode_ids[0]
+        streamed = [t async for c in stubs[1].Step(pb.StepRequest(episode_id=ep, stream=True)) for t in c.token_ids]
+
+        victim = workers.pids()[1]
+        os.kill(victim, signal.SIGKILL)
+        workers.wait_for(rf"worker 1 \(pid {victim}\) exited with code -9 .*: restarting; its open episodes resume")
+        workers.wait_for(r"worker 1 started \(pid \d+\)", count=2)
+        assert workers.pids()[1] != victim
+
+        # Through worker 0: taken over from Redis while worker 1 is down, or forwarded to it once it is back.
+        step = pb.StepRequest(episode_id=ep, observation_token_ids=pb.TokenIds(ids=[9, 8]))
+        unary = [t async for c in stubs[0].Step(step, timeout=60) for t in c.token_ids]
+        trajectory = (
+            await stubs[0].EndEpisode(pb.EndEpisodeRequest(episode_id=ep, rewards=[1.0]), timeout=60)
+        ).trajectory
+        assert streamed == reference[0] and unary == reference[1]
+        assert _exact(trajectory) == _exact(reference[2])
+
+        workers.wait_for(r"worker 1 primerl\.server \[-\]: PrimeRL bridge serving", count=2)
+    async with AsyncExitStack() as stack:
+        await _by_worker(workers.port, stack)  # the restarted worker takes connections again
