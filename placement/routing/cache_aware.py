@@ -8,7 +8,7 @@
   replica sheds new episodes but keeps the turns whose KV it holds while it is not hot.
 - When the index fails open (Redis down or slow) the same formula runs with no cached
   prefixes: load-only routing, and a continuing episode stays on its current replica
-  (``RouteRequest.current``, else this bridge's own pin).
+  (``RouteRequest.current``, else on this bridge's own pin).
 
 Pins live ``pin_ttl_s`` (``cache.affinity_ttl_s``). Invariants: ``choose`` never raises for
 index trouble; the prefix credited to a replica only comes from hashes salted with the
@@ -66,13 +66,15 @@ class CacheAware(PolicyBase):
         return min(cands, key=cost)
 
     async def _pinned(self, key: str, local: dict[str, int], first: bool, current: int | None = None) -> int | None:
-        # The shared pin wins (another bridge may have moved the episode). When the index has none
-        # or cannot answer, the episode's current replica (its persisted record, which every bridge
-        # reads) comes before this bridge's own pin: another bridge may have moved the episode since,
-        # and two bridges each sticking to a different pin would move it back and forth every turn.
+        # The shared pin wins (another bridge may have moved the episode); this bridge's own pin is
+        # the fallback when the index has none. When the index cannot answer (it failed open), the
+        # episode's current replica (its persisted record, which every bridge reads) comes first:
+        # another bridge may have moved the episode since, and two bridges each sticking to a
+        # different pin would move it back and forth every turn.
+        failed = self.index.stats.fail_open
         r = None if first else await self.index.pinned(key)
         if r is None:
-            r = current if current is not None else local.get(key)
+            r = current if current is not None and self.index.stats.fail_open > failed else local.get(key)
         elif local.get(key, r) != r:
             local[key] = r
         return r if self.replicas.ok(r) else None
