@@ -12,11 +12,13 @@ from typing import Any
 from engines.config import EngineType
 from engines.launch import add_engine_parser, run_engine_command
 from engines.layered_config import run_cli
+from envhub.eval.cli import add_eval_parser, run_eval_command
 from envhub.llmserve.cli import add_llmserve_parser, run_llmserve
 from envhub.sandbox_check import add_sandbox_parser, run_sandbox
 from envhub.verifier.cli import add_verifier_parser, run_verifier
 from placement.mig.cli import add_placement_parser, run_placement
 from server.config import ENV_ALIASES, Settings
+from server.control_cli import add_control_parser, add_replicas_parser, run_control, run_replicas
 from server.requestid import RequestIdFilter
 
 
@@ -69,9 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(serve_help=serve.format_help)
     add_placement_parser(sub)
     add_verifier_parser(sub)
+    add_eval_parser(sub)
     add_llmserve_parser(sub)
     add_sandbox_parser(sub)
     add_engine_parser(sub)
+    add_control_parser(sub)
+    add_replicas_parser(sub)
     token = sub.add_parser(
         "hash-token", help="print an auth entry TENANT:SHA256HEX for a bearer token read from stdin (or --new)"
     )
@@ -141,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "placement": run_placement,
         "verifier": run_verifier,
+        "eval": run_eval_command,
         "llmserve": run_llmserve,
         "sandbox": run_sandbox,
         "engine": run_engine_command,
+        "control": run_control,
+        "replicas": run_replicas,
         "hash-token": _hash_token,
     }
     if (run := commands.get(args.command)) is not None:  # every subcommand but serve
