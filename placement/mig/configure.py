@@ -10,7 +10,7 @@ compares both on random instances).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from placement.mig.catalog import Placement, maximal_layouts
 from placement.mig.solver import Option, Problem
@@ -24,12 +24,11 @@ Ranker = Callable[[int, str, float, Opts], list[Cand]]
 Group = tuple[float, list[Placement], Opts]  # one profile's slices of a geometry: (cost, placements, opts)
 
 
-def ranked(opts: Opts, div: float, remaining: dict[str, float], only: set[str] | None = None) -> list[Cand]:
-    """Options with value ``weight x min(unmet, capacity)`` > 0, by value / ``div`` (``only``: these models)."""
+def ranked(opts: Opts, div: float, remaining: dict[str, float], only: Iterable[int] | None = None) -> list[Cand]:
+    """Options with value ``weight x min(unmet, capacity)`` > 0, by value / ``div`` (``only``: these indices)."""
     out = []
-    for i, (model, cap, w, o) in enumerate(opts):
-        if only is not None and model not in only:
-            continue
+    for i in range(len(opts)) if only is None else only:
+        model, cap, w, o = opts[i]
         r = remaining[model]
         g = w * (r if r < cap else cap)
         if g > 1e-9:
@@ -135,22 +134,22 @@ def _greedy(
     groups whose best candidate was that model (and lost value) look for a new one."""
     rem: dict[str, float] = {}
     left = [len(pls) for _, pls, _ in groups]
+    costs = [cost for cost, _, _ in groups]
     tops = [c[0] if c else None for c in lists]
     val = 0.0
     out: list[tuple[Placement | None, Option]] = []
     while True:
-        pick_key = (-1.0, 0.0)
-        gi = -1
+        bk, bc, gi = -1.0, 0.0, -1  # the best (key, then lower cost), the first group winning ties
         for i, top in enumerate(tops):
             if top is not None and left[i]:
-                k = (-top[0], -groups[i][0])
-                if k > pick_key:
-                    pick_key, gi = k, i
+                k, c = -top[0], costs[i]
+                if k > bk or (k == bk and c < bc):
+                    bk, bc, gi = k, c, i
         if gi < 0:
             return val, out, rem
         top = tops[gi]
         assert top is not None
-        model, g, o = top[2], top[3], top[4]
+        model, g, o, cap = top[2], top[3], top[4], top[6]
         pls = groups[gi][1]
         out.append((pls[len(pls) - left[gi]], o))
         left[gi] -= 1
@@ -158,7 +157,7 @@ def _greedy(
         r = rem.get(model)
         if r is None:
             r = remaining[model]
-        r = rem[model] = r - min(r, o.capacity)
+        r = rem[model] = r - (r if r < cap else cap)
         for i, t in enumerate(tops):
             if t is not None and t[2] == model and r < t[6]:  # its value fell
                 tops[i] = best_of(lists[i], divs[i], rem)
@@ -178,6 +177,7 @@ class Memo:
         self.seen: dict[object, tuple[Assigned, list[tuple[str, float]]]] = {}
         self.changed: list[str] = []  # models served so far, in order
         self.lists: dict[tuple[int, str, float], tuple[list[Cand], int]] = {}
+        self.where: dict[tuple[int, str], dict[str, int]] = {}  # (pool, profile) -> model -> index in its Opts
 
     def serve(self, model: str, capacity: float) -> None:
         self.remaining[model] = max(0.0, self.remaining[model] - capacity)
@@ -193,7 +193,11 @@ class Memo:
             return got[0]
         else:
             changed = set(self.changed[got[1] :])
-            cands = [c for c in got[0] if c[2] not in changed] + ranked(opts, div, self.remaining, changed)
+            where = self.where.get(key[:2])
+            if where is None:
+                where = self.where[key[:2]] = {m: i for i, (m, _, _, _) in enumerate(opts)}
+            idx = sorted(where[m] for m in changed if m in where)
+            cands = [c for c in got[0] if c[2] not in changed] + ranked(opts, div, self.remaining, idx)
             cands.sort()
         self.lists[key] = (cands, n)
         return cands
