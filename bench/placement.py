@@ -3,8 +3,10 @@
 Measured in one run on this machine (no GPU is needed: the placer is pure planning):
 - optimality gap of the heuristic against the exact ILP (HiGHS) on N random small instances
   (target: within 2%), with both solvers' solve times;
-- a 1,024-GPU fleet (three GPU types, 40 models) planned by the heuristic (target < 2 s), at
-  the generated demand and at 20x that demand (saturated), against the ILP with a time limit;
+- a 1,024-GPU fleet (three GPU types, 40 models) planned by the heuristic (build + solve, median
+  of ``RUNS`` runs, each in a fresh catalog cache; target <= 1 s), at the generated demand and at
+  20x that demand (saturated), against the ILP with a time limit; the process CPU time of the same
+  runs is printed beside the wall clock (the machine is shared, so the wall clock may wait);
 - mixed small-model demand (24 models of 0.5-8B, 1,500 tok/s each, on 8 H100s): served demand
   with MIG vs the best whole-GPU placement (the ILP restricted to whole GPUs), and GPUs needed
   to serve 8 such models.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,9 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import placement_scenarios as scenarios
 from bench._common import pct, record
+from placement.mig.catalog import maximal_layouts
 from placement.mig.config import ModelsFile, PlannerOptions
 from placement.mig.heuristic import solve_heuristic
 from placement.mig.solver import Solution, build_problem, solve_exact
+
+RUNS = 5  # timed plans of the 1,024-GPU fleet; the median is the figure
 
 
 def gap_study(n: int, seed: int) -> dict[str, float]:
@@ -63,12 +69,25 @@ def large(scale: float, exact_limit_s: float) -> dict[str, float]:
             for m in models.models
         ]
         models = ModelsFile(models=scaled)
-    t0 = time.perf_counter()
-    heur = solve_heuristic(build_problem(fleet, models, archs, PlannerOptions()))
-    t_heur = time.perf_counter() - t0
+    walls: list[float] = []
+    cpus: list[float] = []
+    plans: set[tuple[float, int, int]] = set()
+    for _ in range(RUNS):
+        maximal_layouts.cache_clear()  # every run pays the catalog work a fresh process would
+        t0, c0 = time.perf_counter(), time.process_time()
+        heur = solve_heuristic(build_problem(fleet, models, archs, PlannerOptions()))
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+        plans.add((heur.value, heur.gpus_used, len(heur.replicas)))
+    assert len(plans) == 1, f"the heuristic is deterministic, got {plans}"
     out = {
         "gpus": fleet.gpu_count,
-        "heur_s": t_heur,
+        "runs": RUNS,
+        "heur_s": statistics.median(walls),
+        "heur_s_min": min(walls),
+        "heur_s_max": max(walls),
+        "heur_cpu_s": statistics.median(cpus),
+        "heur_value": heur.value,
         "heur_served": heur.served_fraction,
         "heur_gpus_used": heur.gpus_used,
         "replicas": len(heur.replicas),
@@ -114,14 +133,16 @@ def main(n: int, exact_limit_s: float) -> None:
         ("ILP solve p50 / p99", f"{g['exact_ms_p50']:.1f} / {g['exact_ms_p99']:.1f} ms", ""),
         ("heuristic solve p50 / p99", f"{g['heur_ms_p50']:.1f} / {g['heur_ms_p99']:.1f} ms", ""),
         (
-            "1,024-GPU fleet, heuristic (build + solve)",
-            f"{big['heur_s']:.2f} s, {big['heur_served']:.1%} served, {big['heur_gpus_used']:.0f} GPUs",
-            "< 2 s",
+            f"1,024-GPU fleet, heuristic (build + solve), median of {RUNS}",
+            f"{big['heur_s']:.3f} s (min {big['heur_s_min']:.3f}, max {big['heur_s_max']:.3f}; "
+            f"CPU {big['heur_cpu_s']:.3f} s), {big['heur_served']:.1%} served, {big['heur_gpus_used']:.0f} GPUs",
+            "<= 1 s",
         ),
         (
-            "1,024-GPU fleet, 20x demand (saturated)",
-            f"{sat['heur_s']:.2f} s, {sat['heur_served']:.1%} served, {sat['replicas']:.0f} replicas",
-            "< 2 s",
+            f"1,024-GPU fleet, 20x demand (saturated), median of {RUNS}",
+            f"{sat['heur_s']:.3f} s (min {sat['heur_s_min']:.3f}, max {sat['heur_s_max']:.3f}; "
+            f"CPU {sat['heur_cpu_s']:.3f} s), {sat['heur_served']:.1%} served, {sat['replicas']:.0f} replicas",
+            "<= 1 s",
         ),
     ]
     if exact_limit_s > 0:
