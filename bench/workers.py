@@ -1,0 +1,257 @@
+"""``primerl serve --workers 2`` vs one worker: Steps/s and Steps per bridge CPU-second, side by side in one run.
+
+Each round starts a toy-engine bridge with 1 worker, then one with 2 (alternating, ``--rounds`` times), and
+drives it with load-generator *processes* (``--generators``), each with its own channels (one TCP connection
+each, so the kernel spreads them over the workers) and ``--inflight`` unary 16-token Steps in flight in
+total. The generators are as cheap as a client can be: raw ``grpc.aio`` multicallables, requests serialized
+once per episode, responses never parsed. Every episode runs 32 turns, then a fresh one takes its place
+(StartEpisode / EndEpisode are not counted as Steps; their CPU is).
+
+Bridge CPU is the user+system time of the whole process tree (``primerl serve``'s parent and its workers)
+over the measured window; Steps per bridge CPU-second is the efficiency a second worker must keep (target:
+within 10 % of one worker), Steps/s the capacity it must add (target: >= 1.5x). On a machine whose cores the
+generators need too, Steps/s cannot double: the generators' CPU per Step is printed so the limit shows.
+
+Usage: python -m bench.workers [--seconds 10] [--rounds 3] [--generators 2] [--inflight 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import pct, record, start_bridge
+from bench.bridge_overhead import PROMPT, TURNS_PER_EPISODE, cpu_seconds
+from proto.primerl.v1 import primerl_pb2 as pb
+
+SERVICE = "/primerl.v1.PrimeRL/"
+SETTLE_S = 3.0  # generators run this long before the measured window (connections up, episodes open)
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every live process under it (Linux /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone while listing
+    tree, frontier = [pid], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        tree += children
+        frontier = children
+    return tree
+
+
+def tree_cpu(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):  # a process that ended: not counted (none ends during a window)
+            total += cpu_seconds(pid)
+    return total
+
+
+async def _generate(port: int, channels: int, inflight: int, begin: float, seconds: float) -> tuple[int, float]:
+    """Steps completed inside [begin, begin + seconds] (wall clock) and this process's CPU over that window."""
+    opts = [("grpc.use_local_subchannel_pool", 1)]
+    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) for _ in range(channels)]
+    start_req = pb.StartEpisodeRequest(
+        prompt_token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True)
+    ).SerializeToString()
+    end = begin + seconds
+    done = 0
+    cpu: list[float] = []
+
+    async def loop(i: int) -> None:
+        nonlocal done
+        chan = chans[i % channels]
+        start = chan.unary_unary(SERVICE + "StartEpisode", None, pb.StartEpisodeResponse.FromString)
+        step = chan.unary_stream(SERVICE + "Step", None, None)
+        close = chan.unary_unary(SERVICE + "EndEpisode", None, None)
+        while time.time() < end:
+            ep = (await start(start_req)).episode_ids[0]
+            req = pb.StepRequest(episode_id=ep, observation_token_ids=pb.TokenIds(ids=[9])).SerializeToString()
+            for _ in range(TURNS_PER_EPISODE):
+                async for _chunk in step(req):
+                    pass
+                if begin <= time.time() <= end:
+                    done += 1
+                elif time.time() > end:
+                    break
+            await close(pb.EndEpisodeRequest(episode_id=ep, discard=True).SerializeToString())
+
+    async def clock() -> None:
+        await asyncio.sleep(max(0.0, begin - time.time()))
+        cpu.append(time.process_time())
+        await asyncio.sleep(max(0.0, end - time.time()))
+        cpu.append(time.process_time())
+
+    await asyncio.gather(clock(), *(loop(i) for i in range(inflight)))
+    for chan in chans:
+        await chan.close(None)
+    return done, cpu[1] - cpu[0]
+
+
+def _generator(
+    port: int, channels: int, inflight: int, begin: float, seconds: float, out: multiprocessing.Queue[tuple[int, float]]
+) -> None:
+    out.put(asyncio.run(_generate(port, channels, inflight, begin, seconds)))
+
+
+def _wait_for_workers(port: int, workers: int, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
+    """Until new connections reach every worker (a StartEpisode's id names the worker that served it)."""
+    deadline = time.monotonic() + timeout
+    seen: set[str] = set()
+    while len(seen) < workers:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the bridge with {workers} worker(s) did not come up (exit code {proc.poll()})")
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]) as chan:
+            start = chan.unary_unary(SERVICE + "StartEpisode", None, pb.StartEpisodeResponse.FromString)
+            req = pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT)).SerializeToString()
+            try:
+                ep = start(req, timeout=5, wait_for_ready=True).episode_ids[0]
+            except grpc.RpcError:
+                time.sleep(0.5)
+                continue
+            end = chan.unary_unary(SERVICE + "EndEpisode", None, None)
+            end(pb.EndEpisodeRequest(episode_id=ep, discard=True).SerializeToString(), timeout=5)
+            seen.add(ep.split("-")[1] if workers > 1 else "w0")
+
+
+@dataclass
+class Run:
+    steps_per_s: float
+    steps_per_cpu_s: float
+    gen_cpu_us_per_step: float
+
+
+@dataclass
+class Side:
+    runs: list[Run] = field(default_factory=list)
+
+    def median(self, name: str) -> float:
+        return pct([getattr(r, name) for r in self.runs], 50)
+
+
+def measure(workers: int, seconds: float, generators: int, inflight: int) -> Run:
+    proc, port = start_bridge("--engine", "toy", "--workers", str(workers))
+    try:
+        _wait_for_workers(port, workers, proc)
+        ctx = multiprocessing.get_context("spawn")
+        out = ctx.Queue()
+        begin = time.time() + SETTLE_S + 2.0  # + the generators' own start-up
+        per = inflight // generators
+        procs = [ctx.Process(target=_generator, args=(port, 8, per, begin, seconds, out)) for _ in range(generators)]
+        for p in procs:
+            p.start()
+        time.sleep(max(0.0, begin - time.time()))
+        tree = _descendants(proc.pid)
+        cpu0, wall0 = tree_cpu(tree), time.perf_counter()
+        time.sleep(max(0.0, begin + seconds - time.time()))
+        cpu1, wall1 = tree_cpu(tree), time.perf_counter()
+        results = [out.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
+        steps = sum(r[0] for r in results)
+        gen_cpu = sum(r[1] for r in results)
+        assert len(tree) >= workers + (workers > 1), f"{workers} worker(s) but processes {tree}"
+        return Run(steps / (wall1 - wall0), steps / (cpu1 - cpu0), gen_cpu / max(steps, 1) * 1e6)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main(seconds: float, rounds: int, generators: int, inflight: int) -> None:
+    load = os.getloadavg()[0]
+    sides = {1: Side(), 2: Side()}
+    for r in range(rounds):
+        for workers in (1, 2) if r % 2 == 0 else (2, 1):
+            run = measure(workers, seconds, generators, inflight)
+            sides[workers].runs.append(run)
+            print(
+                f"round {r + 1}, {workers} worker(s): {run.steps_per_s:,.0f} Steps/s, "
+                f"{run.steps_per_cpu_s:,.0f} Steps per bridge CPU-s, generators {run.gen_cpu_us_per_step:,.0f} us/Step",
+                flush=True,
+            )
+    one, two = sides[1], sides[2]
+    tput = two.median("steps_per_s") / one.median("steps_per_s")
+    eff = two.median("steps_per_cpu_s") / one.median("steps_per_cpu_s")
+    tput_rounds = [b.steps_per_s / a.steps_per_s for a, b in zip(one.runs, two.runs, strict=True)]
+    eff_rounds = [b.steps_per_cpu_s / a.steps_per_cpu_s for a, b in zip(one.runs, two.runs, strict=True)]
+    cores = os.cpu_count() or 1
+    # What the cores allow: one worker runs on one core at most; every Step also costs the generators' CPU.
+    per_step_1 = 1 / one.median("steps_per_cpu_s") + one.median("gen_cpu_us_per_step") / 1e6
+    per_step_2 = 1 / two.median("steps_per_cpu_s") + two.median("gen_cpu_us_per_step") / 1e6
+    ceiling_1 = min(one.median("steps_per_cpu_s"), cores / per_step_1)
+    ceiling_2 = min(2 * two.median("steps_per_cpu_s"), cores / per_step_2)
+    rows = [
+        ("Steps/s, 1 worker / 2 workers", f"{one.median('steps_per_s'):,.0f} / {two.median('steps_per_s'):,.0f}", ""),
+        ("Steps/s, 2 workers over 1", f"{tput:.2f}x (rounds {', '.join(f'{x:.2f}' for x in tput_rounds)})", ">= 1.5x"),
+        (
+            "Steps per bridge CPU-second, 1 worker / 2 workers",
+            f"{one.median('steps_per_cpu_s'):,.0f} / {two.median('steps_per_cpu_s'):,.0f}",
+            "",
+        ),
+        (
+            "Steps per CPU-second, 2 workers over 1",
+            f"{eff:.2f} (rounds {', '.join(f'{x:.2f}' for x in eff_rounds)})",
+            ">= 0.90",
+        ),
+        (
+            "CPU ceiling of Steps/s on this machine, 1 / 2 workers (ratio)",
+            f"{ceiling_1:,.0f} / {ceiling_2:,.0f} ({ceiling_2 / ceiling_1:.2f}x)",
+            "",
+        ),
+        (
+            "load generators' CPU per Step, 1 / 2 workers",
+            f"{one.median('gen_cpu_us_per_step'):,.0f} / {two.median('gen_cpu_us_per_step'):,.0f} us",
+            "",
+        ),
+    ]
+    notes = (
+        f"Toy engine, unary 16-token Steps, {inflight} in flight from {generators} load-generator processes "
+        f"(8 connections each), {seconds:.0f} s windows, {rounds} alternating rounds, medians. {cores} cores, "
+        f"load average {load:.1f} at the start (other work shares the machine). A bridge worker needs about a "
+        "core at full load, and the generators need CPU per Step too: with every core busy, Steps/s cannot pass "
+        "cores / (bridge + generator CPU per Step) (the ceiling row; one worker is also capped at one core), "
+        "which bounds the 2-worker ratio on this machine whatever the bridge does."
+    )
+    figures = {
+        "steps_per_s_1": one.median("steps_per_s"),
+        "steps_per_s_2": two.median("steps_per_s"),
+        "steps_per_cpu_s_1": one.median("steps_per_cpu_s"),
+        "steps_per_cpu_s_2": two.median("steps_per_cpu_s"),
+        "generator_cpu_us_per_step_1": one.median("gen_cpu_us_per_step"),
+        "generator_cpu_us_per_step_2": two.median("gen_cpu_us_per_step"),
+        "steps_per_s_ratio_rounds": tput_rounds,
+        "steps_per_cpu_s_ratio_rounds": eff_rounds,
+        "load_average_at_start": load,
+        "cpu_ceiling_steps_per_s_1": ceiling_1,
+        "cpu_ceiling_steps_per_s_2": ceiling_2,
+    }
+    ratios = {"workers2_over_1_steps_per_s": tput, "workers2_over_1_steps_per_cpu_s": eff}
+    record("workers", "bridge workers: --workers 2 vs 1", rows, figures, notes, ratios)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured window per run")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating 1-worker / 2-worker runs of each")
+    ap.add_argument("--generators", type=int, default=2, help="load-generator processes")
+    ap.add_argument("--inflight", type=int, default=64, help="Steps in flight in total")
+    args = ap.parse_args()
+    main(args.seconds, args.rounds, args.generators, args.inflight)
