@@ -56,9 +56,9 @@ def compose_config(*args: str, env: dict[str, str] | None = None) -> dict[str, A
 def test_compose_file_parses_with_compose_v2_and_has_the_documented_services() -> None:
     config = compose_config()
     services = config["services"]
-    assert set(services) == {"redis", "primerl", "prometheus", "grafana"}  # engine is behind the vllm profile
+    assert set(services) == {"redis", "primerl", "verifier", "prometheus", "grafana"}  # engine: the vllm profile
     with_vllm = compose_config("--profile", "vllm")["services"]
-    assert set(with_vllm) == {"redis", "engine", "primerl", "prometheus", "grafana"}
+    assert set(with_vllm) == {"redis", "engine", "primerl", "verifier", "prometheus", "grafana"}
     assert with_vllm["engine"]["build"]["target"] == "engine-vllm"
 
     bridge = services["primerl"]
@@ -67,7 +67,7 @@ def test_compose_file_parses_with_compose_v2_and_has_the_documented_services() -
     assert published == {(50051, "50051"), (9300, "9300"), (8000, "8080")}  # gRPC, metrics, HTTP front door
     assert bridge["depends_on"]["redis"]["condition"] == "service_healthy"
     assert bridge["depends_on"]["engine"]["required"] is False
-    for name in ("redis", "primerl", "prometheus", "grafana"):
+    for name in ("redis", "primerl", "verifier", "prometheus", "grafana"):
         test = services[name]["healthcheck"]["test"]
         assert test[0] == "CMD" and len(test) > 1, name
     assert bridge["healthcheck"]["test"][1:3] == ["python", "scripts/grpc_health.py"]
