@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from cache import CacheConfig
 from engines.base import Engine
@@ -36,7 +37,6 @@ from placement.routing import Router, RouteRequest, RoutingConfig
 from server.admission import Admission
 from server.calls import EndRequest, EndResult, StartRequest, StartResult, StepRequest
 from server.config import AdmissionConfig, SamplingDefaults
-from server.control_member import FleetMember
 from server.envsession import EnvSession, check_env_name, close_all, open_env_sessions
 from server.episodes import Episode, EpisodeStore
 from server.errors import DeadlineExceeded, EpisodeBusy, InvalidArgument
@@ -47,6 +47,9 @@ from server.turns import Turns
 from server.weights import Weights
 from speculation.config import SpeculationConfig
 from speculation.factory import SpeculationFactory
+
+if TYPE_CHECKING:  # the membership imports the bridge
+    from server.control_member import FleetMember
 
 log = logging.getLogger("primerl.server")
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -91,6 +94,7 @@ class Bridge:
         self._envs: dict[str, EnvSession] = {}  # episode id -> its environment (episodes started with env)
         self.journal = journal  # episode persistence (None: episodes live in this process only)
         self.fleet: FleetMember | None = None  # fleet membership (join_fleet); None: this bridge's own version
+        self.withdrawn: dict[int, str] = {}  # replica -> why it is out of rotation for good (drained, removed)
         self.episodes = JournaledStore(
             self.store,
             journal,
@@ -148,6 +152,8 @@ class Bridge:
 
     def mark_replica(self, replica: int, healthy: bool, reason: str = "") -> None:
         """Take a replica out of rotation (a call failed, a health check did) or bring it back."""
+        if healthy and replica in self.withdrawn:  # drained or removed through the control plane: stays out
+            healthy, reason = False, self.withdrawn[replica]
         self.router.mark(replica, healthy, reason)
 
     async def _forget(self, episode: Episode) -> None:

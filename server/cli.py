@@ -16,6 +16,8 @@ from envhub.eval.cli import add_eval_parser, run_eval_command
 from envhub.llmserve.cli import add_llmserve_parser, run_llmserve
 from envhub.sandbox_check import add_sandbox_parser, run_sandbox
 from envhub.verifier.cli import add_verifier_parser, run_verifier
+from grpo.cli import COMMANDS as RL_COMMANDS
+from grpo.cli import add_rl_parsers, run_rl_command
 from placement.mig.cli import add_placement_parser, run_placement
 from server.config import ENV_ALIASES, Settings
 from server.control_cli import add_control_parser, add_replicas_parser, run_control, run_replicas
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_llmserve_parser(sub)
     add_sandbox_parser(sub)
     add_engine_parser(sub)
+    add_rl_parsers(sub)
     add_control_parser(sub)
     add_replicas_parser(sub)
     token = sub.add_parser(
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own flags (bench/matrix.py), passed through
         return _bench(argv[1:])
+    if argv[:1] and argv[0] in RL_COMMANDS:  # layered config (@ FILE, --section.key): grpo.cli
+        return run_rl_command(argv[0], argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "serve":  # only serve takes layered-config tokens (@ FILE, --section.key)

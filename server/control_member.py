@@ -28,33 +28,26 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from engines.base import Engine
 from engines.types import WeightUpdate
-from observability.metrics import BridgeMetrics
-from placement.registry import BridgeRecord, FleetConfig, FleetStore, ModelRecord, RegistryUnavailable, Update
+from placement.registry import (
+    BridgeRecord,
+    FleetConfig,
+    FleetStore,
+    ModelRecord,
+    RegistryUnavailable,
+    ReplicaRecord,
+    Update,
+)
+from server.bridge import Bridge
 from server.config import Settings
 from server.errors import EngineUnavailable, InvalidArgument, PrimeRLError
 
 log = logging.getLogger("primerl.fleet")
 COMPONENT = "fleet_registry"
-
-
-class FleetBridge(Protocol):
-    """What the membership needs from the bridge (``server.bridge.Bridge`` satisfies it)."""
-
-    @property
-    def engines(self) -> Sequence[Engine]: ...
-    @property
-    def metrics(self) -> BridgeMetrics: ...
-    @property
-    def policy_version(self) -> int: ...
-    @property
-    def inflight(self) -> int: ...
-    async def pause(self, abort: bool) -> int: ...
-    def resume(self) -> None: ...
 
 
 def default_bridge_id(address: str) -> str:
@@ -72,16 +65,18 @@ class FleetMember:
         self.id = config.bridge_id or default_bridge_id(address)
         self.tenant = tenant
         self.record = ModelRecord(model)  # last known
-        self.bridge: FleetBridge | None = None
+        self.bridge: Bridge | None = None
         self._paused_for: Update | None = None  # the update this bridge paused for
         self._paused_at = 0.0
         self._acked: str = ""
         self._task: asyncio.Task[None] | None = None
         self._adopting = asyncio.Lock()
+        self._registered = False
+        self._adding: set[str] = set()  # replica URLs being added now
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, bridge: FleetBridge) -> None:
+    async def start(self, bridge: Bridge) -> None:
         """Register and adopt the fleet's version (Redis down: start with what the engines say, fail open)."""
         self.bridge = bridge
         await self.refresh()
@@ -150,6 +145,7 @@ class FleetMember:
             self._acked = update.token
         if record.version > bridge.policy_version:
             await self.adopt(record)
+        await self.converge(record)
         if update is None and self._paused_for is not None:
             self._resume(f"the fleet is at version {record.version}")
 
@@ -171,6 +167,65 @@ class FleetMember:
                 elif record.weights:  # a private replica: this bridge loads the weights itself
                     await engine.update_weights(WeightUpdate(record.weights, record.version))
             log.info("fleet: %s adopted policy version %d", self.model, record.version)
+
+    # -- replicas added, drained and removed at run time ------------------------------------------
+
+    async def converge(self, record: ModelRecord) -> None:
+        """Make this bridge's replicas what the registry lists (an empty list: register ours)."""
+        bridge = self.bridge
+        if bridge is None:
+            return
+        urls = [str(getattr(e, "url", "")) for e in bridge.engines]
+        if not record.replicas:
+            if all(urls) and not self._registered:  # shared (HTTP) replicas: the fleet's list starts with ours
+                for url, engine in zip(urls, bridge.engines, strict=True):
+                    await self.store.put_replica(self.model, ReplicaRecord(url, engine.info.engine))
+                self._registered = True
+            return
+        listed = {r.url: r for r in record.replicas}
+        for i, url in enumerate(urls):
+            entry = listed.get(url)
+            state = "removed" if entry is None else entry.state
+            if state == "active" and i in bridge.withdrawn:
+                restore_replica(bridge, i)
+            elif state != "active" and bridge.withdrawn.get(i) != state:
+                await withdraw_replica(bridge, i, state, abort=state == "removed")
+        for url in listed.keys() - set(urls) - self._adding:
+            if listed[url].state == "active":
+                self._adding.add(url)  # a turn opening meanwhile must not add it twice
+                try:
+                    await self._add(url, record)
+                finally:
+                    self._adding.discard(url)
+
+    async def _add(self, url: str, record: ModelRecord) -> None:
+        """A replica new to this bridge, at the fleet's version (loaded there when it is behind)."""
+        assert self.bridge is not None
+        template: Any = self.bridge.engines[0]
+        template = getattr(template, "inner", template)  # under a tracing proxy
+        if not hasattr(template, "url"):
+            log.warning(
+                "fleet: replica %s not added: this bridge's %s engines are in-process", url, template.info.engine
+            )
+            return
+        name = f"{template.info.engine}-{len(self.bridge.engines)}"
+        engine = type(template)(
+            url,
+            template.config,
+            template.facts,
+            model=template.info.model,
+            tokenizer=template.tokenizer,
+            request_timeout_s=template._request_timeout_s,
+            replica=name,
+        )
+        await engine.start()
+        if engine.policy_version < record.version:
+            if not record.weights:
+                log.warning("fleet: replica %s not added: no weight location for version %d", url, record.version)
+                return
+            await engine.update_weights(WeightUpdate(record.weights, record.version))
+        add_replica(self.bridge, engine)
+        log.info("fleet: replica %s (%s) added at version %d", url, name, record.version)
 
     # -- fleet-wide weight update ---------------------------------------------------------------
 
@@ -243,3 +298,29 @@ def join_fleet(settings: Settings, model: str, port: int) -> FleetMember:
     config = settings.fleet
     address = config.advertise_address or f"{settings.server.host}:{port}"
     return FleetMember(FleetStore.connect(settings.redis.url, config), config, model, address)
+
+
+def add_replica(bridge: Bridge, engine: Engine) -> int:
+    """A new replica in rotation; returns its index."""
+    bridge.engines.append(engine)  # the list Turns, Weights and the router share
+    bridge.router.replicas.resize(len(bridge.engines))
+    return len(bridge.engines) - 1
+
+
+async def withdraw_replica(bridge: Bridge, replica: int, state: str, abort: bool) -> None:
+    """No new turns on ``replica``; with ``abort`` its running turns end now (ABORT, partial tokens kept)."""
+    bridge.withdrawn[replica] = state
+    bridge.router.mark(replica, False, f"{state} through the control plane")
+    if abort:
+        bridge.weights.removed.add(replica)
+        engine = bridge.engines[replica]
+        for request_id, running in list(bridge.turns.live.items()):
+            if running is engine:
+                await engine.abort(request_id)
+
+
+def restore_replica(bridge: Bridge, replica: int) -> None:
+    """A drained or removed replica back in rotation (the next health check confirms it)."""
+    bridge.withdrawn.pop(replica, None)
+    bridge.weights.removed.discard(replica)
+    bridge.router.mark(replica, True, "")

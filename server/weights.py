@@ -25,6 +25,7 @@ class Weights:
     def __init__(self, engines: Sequence[Engine], mark: Callable[[int, bool, str], None]) -> None:
         self.engines = engines
         self._mark = mark  # take a replica out of rotation (the router)
+        self.removed: set[int] = set()  # replicas removed from the fleet (server.control_member): never updated
         self._lock = asyncio.Lock()
 
     @property
@@ -67,6 +68,8 @@ class Weights:
             done: list[str] = []
             failed: list[tuple[str, EngineError]] = []
             for i, (engine, path) in enumerate(zip(self.engines, paths, strict=True)):
+                if i in self.removed:
+                    continue
                 try:
                     await engine.update_weights(
                         WeightUpdate(checkpoint_path=path, policy_version=version, keep_kv=keep_kv)
