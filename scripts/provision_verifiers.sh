@@ -24,92 +24,21 @@ set -euo pipefail
 
 VERIFIERS_VERSION="0.4.0"
 
-log() { printf '[provision_verifiers %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { printf '[provision_verifiers] ERROR: %s\n' "$*" >&2; exit 1; }
-
-FORCE=0
-VENV=""
-for arg in "$@"; do
-  case "$arg" in
-    --force) FORCE=1 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
-    -*) die "unknown option: $arg" ;;
-    *) [[ -z "$VENV" ]] || die "only one VENV_DIR may be given"; VENV="$arg" ;;
-  esac
-done
-VENV="${VENV:-${PRIMERL_VERIFIERS_VENV:-$HOME/.cache/primerl/verifiers-venv}}"
-mkdir -p "$(dirname "$VENV")"
-VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"
-
+TOOL=provision_verifiers
 SCRIPT_PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
 PINS="$(dirname "$SCRIPT_PATH")/verifiers-constraints.txt"
+DEFAULT_VENV="${PRIMERL_VERIFIERS_VENV:-$HOME/.cache/primerl/verifiers-venv}"
+PYTHON_VAR=PRIMERL_VERIFIERS_PYTHON  # verifiers 0.4.0: Requires-Python >=3.11,<3.15
+DIST=verifiers
+DIST_VERSION="$VERIFIERS_VERSION"
+STAMP_NAME=.primerl-verifiers-stamp
+# shellcheck source=scripts/venv_lib.sh
+source "$(dirname "$SCRIPT_PATH")/venv_lib.sh"
+
+venv_args "$@"
 [[ -f "$PINS" ]] || die "missing $PINS"
-SCRIPT_HASH="$(cat "$SCRIPT_PATH" "$PINS" | sha256sum | cut -d' ' -f1)"
-STAMP="$VENV/.primerl-verifiers-stamp"
-PY="$VENV/bin/python"
-
-stamp_ok() {
-  [[ -f "$STAMP" && -x "$PY" ]] || return 1
-  [[ "$(head -n1 "$STAMP")" == "hash=$SCRIPT_HASH" ]] || return 1
-  # Cheap liveness check (no heavy import): the interpreter runs and the dist is the pinned one.
-  "$PY" - "$VERIFIERS_VERSION" <<'EOF' >/dev/null 2>&1
-import sys, importlib.metadata as md
-sys.exit(0 if md.version("verifiers") == sys.argv[1] else 1)
-EOF
-}
-
-if [[ "$FORCE" == 0 ]] && stamp_ok; then
-  log "up to date: $VENV (stamp $(sed -n 2p "$STAMP"))"
-  echo "$VENV"
-  exit 0
-fi
-
-# Serialise concurrent provisioners (e.g. parallel test workers).
-exec 9>"$VENV.lock"
-if ! flock -n 9; then
-  log "another provisioner holds $VENV.lock; waiting (up to 10 min)"
-  flock -w 600 9 || die "timed out waiting for $VENV.lock"
-fi
-if [[ "$FORCE" == 0 ]] && stamp_ok; then
-  log "up to date after waiting: $VENV"
-  echo "$VENV"
-  exit 0
-fi
-
-T0=$(date +%s)
-
-pick_python() {
-  if [[ -n "${PRIMERL_VERIFIERS_PYTHON:-}" ]]; then echo "$PRIMERL_VERIFIERS_PYTHON"; return; fi
-  local c
-  for c in python3.11 python3; do
-    # verifiers 0.4.0: Requires-Python >=3.11,<3.15
-    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(0 if (3,11) <= sys.version_info[:2] < (3,15) else 1)' >/dev/null 2>&1; then
-      echo "$c"; return
-    fi
-  done
-  die "no Python 3.11-3.14 interpreter found (set PRIMERL_VERIFIERS_PYTHON)"
-}
-
-if [[ "$FORCE" == 1 && -e "$VENV" ]]; then
-  log "--force: removing $VENV"
-  rm -rf "$VENV"
-fi
-rm -f "$STAMP"
-
-if [[ ! -x "$PY" ]]; then
-  BASE_PY="$(pick_python)"
-  log "creating venv $VENV with $BASE_PY ($("$BASE_PY" --version 2>&1))"
-  "$BASE_PY" -m venv "$VENV" || die "venv creation failed"
-else
-  log "reusing existing (unstamped) venv $VENV"
-fi
-
-# pip wrapper: keeps pip's exit status, drops the harmless "Location 'file:///opt/...' is ignored" warnings
-# this machine's extra-index-url produces.
-pip_() {
-  "$PY" -m pip --disable-pip-version-check --no-input "$@" \
-    2> >(grep -vE "is ignored: it is neither a file nor a directory" >&2)
-}
+venv_lock 600
+venv_create
 
 log "step 1/2: verifiers==$VERIFIERS_VERSION with its dependencies at the pinned versions"
 pip_ install -q -c "$PINS" "verifiers==$VERIFIERS_VERSION" || die "pip install verifiers==$VERIFIERS_VERSION failed"
@@ -134,13 +63,4 @@ $CHECK_OUT"
 VERSIONS="$(tail -n1 <<<"$CHECK_OUT")"
 log "$VERSIONS"
 
-"$PY" -m pip freeze --disable-pip-version-check > "$VENV/.primerl-freeze.txt" 2>/dev/null || true
-
-T1=$(date +%s)
-SIZE="$(du -sh "$VENV" | cut -f1)"
-{
-  echo "hash=$SCRIPT_HASH"
-  echo "$VERSIONS install_s=$((T1 - T0)) size=$SIZE date=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-} > "$STAMP"
-log "done in $((T1 - T0)) s; venv size $SIZE"
-echo "$VENV"
+venv_stamp "$VERSIONS"

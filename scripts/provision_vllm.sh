@@ -28,92 +28,25 @@ VLLM_VERSION="0.32.0"
 # Never installed: no CPU build exists for them (and vLLM's text-only LLM path doesn't need them).
 EXCLUDE_RE='^(torch|torchvision|torchaudio|torchcodec)$'
 
-log() { printf '[provision_vllm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { printf '[provision_vllm] ERROR: %s\n' "$*" >&2; exit 1; }
-
-FORCE=0
-VENV=""
-for arg in "$@"; do
-  case "$arg" in
-    --force) FORCE=1 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
-    -*) die "unknown option: $arg" ;;
-    *) [[ -z "$VENV" ]] || die "only one VENV_DIR may be given"; VENV="$arg" ;;
-  esac
-done
-VENV="${VENV:-${PRIMERL_VLLM_VENV:-$HOME/.cache/primerl/vllm-venv}}"
-mkdir -p "$(dirname "$VENV")"
-VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"
-
+TOOL=provision_vllm
 SCRIPT_PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
 # Pins of vLLM's runtime requirements (what make test was last green with): part of the stamp's key.
 PINS="$(dirname "$SCRIPT_PATH")/vllm-constraints.txt"
-SCRIPT_HASH="$(cat "$SCRIPT_PATH" "$PINS" 2>/dev/null | sha256sum | cut -d' ' -f1)"
-STAMP="$VENV/.primerl-vllm-stamp"
-PY="$VENV/bin/python"
+DEFAULT_VENV="${PRIMERL_VLLM_VENV:-$HOME/.cache/primerl/vllm-venv}"
+PYTHON_VAR=PRIMERL_VLLM_PYTHON
+DIST="$VLLM_PKG"
+DIST_VERSION="$VLLM_VERSION"
+STAMP_NAME=.primerl-vllm-stamp
+# Also dropped from pip's stderr: the expected resolver complaint about the deliberately excluded
+# torchvision/torchaudio/torchcodec.
+PIP_NOISE="requires (torchaudio|torchvision|torchcodec)|^ERROR: pip's dependency resolver does not currently take into account"
+# shellcheck source=scripts/venv_lib.sh
+source "$(dirname "$SCRIPT_PATH")/venv_lib.sh"
 
-stamp_ok() {
-  [[ -f "$STAMP" && -x "$PY" ]] || return 1
-  [[ "$(head -n1 "$STAMP")" == "hash=$SCRIPT_HASH" ]] || return 1
-  # Cheap liveness check (no heavy import): the interpreter runs and the dist is the pinned one.
-  "$PY" - "$VLLM_PKG" "$VLLM_VERSION" <<'EOF' >/dev/null 2>&1
-import sys, importlib.metadata as md
-sys.exit(0 if md.version(sys.argv[1]) == sys.argv[2] else 1)
-EOF
-}
+venv_args "$@"
+venv_lock 1800
+venv_create
 
-if [[ "$FORCE" == 0 ]] && stamp_ok; then
-  log "up to date: $VENV (stamp $(sed -n 2p "$STAMP"))"
-  echo "$VENV"
-  exit 0
-fi
-
-# Serialise concurrent provisioners (e.g. parallel test workers).
-exec 9>"$VENV.lock"
-if ! flock -n 9; then
-  log "another provisioner holds $VENV.lock; waiting (up to 30 min)"
-  flock -w 1800 9 || die "timed out waiting for $VENV.lock"
-fi
-if [[ "$FORCE" == 0 ]] && stamp_ok; then
-  log "up to date after waiting: $VENV"
-  echo "$VENV"
-  exit 0
-fi
-
-T0=$(date +%s)
-
-pick_python() {
-  if [[ -n "${PRIMERL_VLLM_PYTHON:-}" ]]; then echo "$PRIMERL_VLLM_PYTHON"; return; fi
-  local c
-  for c in python3.11 python3; do
-    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(0 if (3,11) <= sys.version_info[:2] < (3,15) else 1)' >/dev/null 2>&1; then
-      echo "$c"; return
-    fi
-  done
-  die "no Python 3.11-3.14 interpreter found (set PRIMERL_VLLM_PYTHON)"
-}
-
-if [[ "$FORCE" == 1 && -e "$VENV" ]]; then
-  log "--force: removing $VENV"
-  rm -rf "$VENV"
-fi
-rm -f "$STAMP"
-
-if [[ ! -x "$PY" ]]; then
-  BASE_PY="$(pick_python)"
-  log "creating venv $VENV with $BASE_PY ($("$BASE_PY" --version 2>&1))"
-  "$BASE_PY" -m venv "$VENV" || die "venv creation failed"
-else
-  log "reusing existing (unstamped) venv $VENV"
-fi
-
-# pip wrapper: keeps pip's exit status, drops the harmless "Location 'file:///opt/...' is ignored"
-# warnings this machine's extra-index-url produces, and the expected resolver complaint about
-# the deliberately excluded torchvision/torchaudio/torchcodec.
-pip_() {
-  "$PY" -m pip --disable-pip-version-check --no-input "$@" \
-    2> >(grep -vE "is ignored: it is neither a file nor a directory|requires (torchaudio|torchvision|torchcodec)|^ERROR: pip's dependency resolver does not currently take into account" >&2)
-}
 CONSTRAINTS="$VENV/.primerl-constraints.txt"
 
 # Pinned with the +cpu local tag: plain ==2.13.0 also prefers the local CPU wheel, but silently
@@ -176,14 +109,4 @@ $CHECK_OUT"
 VERSIONS="$(tail -n1 <<<"$CHECK_OUT")"
 log "$VERSIONS"
 
-# Record exactly what was installed (for reproducing or pinning later).
-"$PY" -m pip freeze --disable-pip-version-check > "$VENV/.primerl-freeze.txt" 2>/dev/null || true
-
-T1=$(date +%s)
-SIZE="$(du -sh "$VENV" | cut -f1)"
-{
-  echo "hash=$SCRIPT_HASH"
-  echo "$VERSIONS install_s=$((T1 - T0)) size=$SIZE date=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-} > "$STAMP"
-log "done in $((T1 - T0)) s; venv size $SIZE"
-echo "$VENV"
+venv_stamp "$VERSIONS"
