@@ -16,6 +16,11 @@ Layout
 * A dead owner: with persistence on, the worker that got the call takes the episode over (it loads the
   record from Redis, as a second bridge would); with it off the episode is lost with the worker and the
   call fails UNAVAILABLE saying so. The parent logs which case applies when it restarts a worker.
+* UpdateWeights runs on the worker that got it, then on every other worker at the version it chose (each
+  worker has its own engines); a worker it fails on is named in the error. With ``fleet.enabled`` the
+  fleet's control plane keeps the versions instead (each worker is a fleet member). A worker restarted after
+  a crash starts from its configured weights: update the weights again (or run the fleet) after a restart.
+  The HTTP front door's weight routes (worker 0) update worker 0 only: use the gRPC call with workers.
 * Per worker: ``metrics.port + index`` serves its /metrics (scrape each: per-process series, no shared
   multiprocess directory, so gauges and callbacks stay exact); the HTTP front door runs on worker 0 only
   (its sessions live in one process); admission limits (``admission.*``) apply per worker.
@@ -43,13 +48,15 @@ from typing import Any
 import grpc
 
 from server.config import Settings
-from server.forward import OwnerUnreachable, default_forwarder, passthrough
+from server.forward import OwnerUnreachable, default_forwarder, forwarded_metadata, passthrough
 from server.handlers import HandlerInterceptor
+from server.service import ACCEPTED_METADATA
 
 log = logging.getLogger("primerl.workers")
 
 WORKER_TRAILER = "primerl-worker"
 FORWARDED_BY = "primerl-forwarded-by"
+UPDATE_WEIGHTS = "/primerl.v1.PrimeRL/UpdateWeights"
 _ID_PREFIX = "ep-w"
 FAST_FAILURE_S = 10.0  # a worker that dies sooner than this after starting counts as failing to start
 MAX_FAST_FAILURES = 5  # in a row, for one worker: give up (a config error, a port in use) instead of spinning
@@ -62,6 +69,7 @@ class WorkerSlot:
 
     index: int
     addresses: tuple[str, ...]
+    broadcast_weights: bool = True  # UpdateWeights reaches every worker (off when the fleet's control plane does it)
 
     @property
     def count(self) -> int:
@@ -106,8 +114,15 @@ class WorkerSlot:
             raise OSError(f"cannot bind the worker's private address {address}")
         store.id_prefix = self.id_prefix
 
+    def peers(self) -> list[tuple[int, str]]:
+        return [(i, a) for i, a in enumerate(self.addresses) if i != self.index]
+
     def interceptor(self, persistence: bool) -> OwnerInterceptor:
         return OwnerInterceptor(self, persistence)
+
+
+def _forwarded(context: grpc.aio.ServicerContext) -> bool:
+    return any(key == FORWARDED_BY for key, _ in context.invocation_metadata() or ())
 
 
 class OwnerInterceptor(HandlerInterceptor):
@@ -147,7 +162,7 @@ class OwnerInterceptor(HandlerInterceptor):
         owner = self.slot.owner_of(getattr(request, "episode_id", ""))
         if owner is None or owner == self.slot.index:
             return None
-        if any(key == FORWARDED_BY for key, _ in context.invocation_metadata() or ()):
+        if _forwarded(context):
             return None  # forwarded to us already: never a second hop
         return owner
 
@@ -167,10 +182,44 @@ class OwnerInterceptor(HandlerInterceptor):
             )
         log.warning("episode %s: its worker %d is unreachable (%s); taking it over from Redis", episode, owner, exc)
 
+    async def _broadcast(self, method: str, request: Any, response: Any, context: grpc.aio.ServicerContext) -> None:
+        """After UpdateWeights ran here: the same version on every other worker (each has its own engines)."""
+        peer = type(request)()
+        peer.CopyFrom(request)
+        peer.policy_version = response.policy_version
+        payload, metadata = peer.SerializeToString(), forwarded_metadata(context, self._hop)
+        channel = default_forwarder().channel
+        calls = [
+            channel(target).unary_unary(method, None, None)(
+                payload, timeout=context.time_remaining(), metadata=metadata
+            )
+            for _, target in self.slot.peers()
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [(i, r) for (i, _), r in zip(self.slot.peers(), results, strict=True) if isinstance(r, BaseException)]
+        if not failed:
+            return
+        code = failed[0][1].code() if isinstance(failed[0][1], grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
+        errors = "; ".join(
+            f"worker {i}: {r.details() if isinstance(r, grpc.aio.AioRpcError) else type(r).__name__}" for i, r in failed
+        )
+        log.error("weights at version %d here but not on %s", response.policy_version, errors)
+        await context.send_initial_metadata(ACCEPTED_METADATA)  # applied here: the client must not retry it
+        await context.abort(
+            code,
+            f"weights updated to version {response.policy_version} on bridge worker {self.me} but not on {errors}; "
+            "those workers keep the old weights until an update reaches them",
+        )
+
     def _unary(self, method: str, behavior: Any) -> Callable[..., Any]:
         forwarder = default_forwarder()
+        broadcast = self.slot.broadcast_weights and method == UPDATE_WEIGHTS and self.slot.count > 1
 
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if broadcast and not _forwarded(context):
+                response = await behavior(request, context)
+                await self._broadcast(method, request, response, context)
+                return response
             owner = self._owner(request, context)
             if owner is not None:
                 target = self.slot.addresses[owner]
@@ -263,7 +312,7 @@ class Supervisor:
     def _start(self, index: int) -> BaseProcess:
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(self.settings, WorkerSlot(index, self.addresses), self.log_level),
+            args=(self.settings, WorkerSlot(index, self.addresses, not self.settings.fleet.enabled), self.log_level),
             name=f"primerl-worker-{index}",
         )
         proc.start()

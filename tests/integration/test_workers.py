@@ -290,3 +290,55 @@ async def test_a_killed_worker_is_restarted_and_its_episode_goes_on(workers: Wor
         workers.wait_for(r"worker 1 primerl\.server \[-\]: PrimeRL bridge serving", count=2)
     async with AsyncExitStack() as stack:
         await _by_worker(workers.port, stack)  # the restarted worker takes connections again
+
+
+async def test_update_weights_reaches_every_worker(workers: Workers) -> None:
+    async with AsyncExitStack() as stack:
+        stubs = await _by_worker(workers.port, stack)
+        before = [(await stubs[i].GetServerInfo(pb.GetServerInfoRequest())).models[0].policy_version for i in (0, 1)]
+        assert before[0] == before[1]
+        call = stubs[1].UpdateWeights(pb.UpdateWeightsRequest())
+        assert (await call).policy_version == before[0] + 1
+        after = [(await stubs[i].GetServerInfo(pb.GetServerInfoRequest())).models[0].policy_version for i in (0, 1)]
+        assert after == [before[0] + 1] * 2
+        want = await _episode(stubs[1])  # the same new weights: the same tokens on either worker
+        assert _exact((await _episode(stubs[0]))[2]) == _exact(want[2])
+
+
+async def test_a_call_for_a_dead_workers_episode_says_it_was_lost(tmp_path: Path) -> None:
+    """In process, worker 0 of 2 whose peer never started: without persistence its episodes are gone."""
+    from server.app import create_server
+    from server.config import load_settings
+    from server.workers import WorkerSlot
+
+    slot = WorkerSlot(0, (f"unix:{tmp_path}/w0.sock", f"unix:{tmp_path}/w1.sock"))
+    settings = load_settings(engine={"type": "toy"}, server={"port": 0, "grace_period_s": 0.5}, metrics={"port": 0})
+    server = await create_server(settings, worker=slot)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub: pb_grpc.PrimeRLAsyncStub = pb_grpc.PrimeRLStub(channel)
+            for call in (
+                lambda: _drain(stub.Step(pb.StepRequest(episode_id="ep-w1-0123"))),
+                lambda: stub.EndEpisode(pb.EndEpisodeRequest(episode_id="ep-w1-0123")),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call()
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "worker 1" in (err.value.details() or "") and "persistence" in (err.value.details() or "")
+            # Already forwarded once: served here, never a second hop (this worker does not hold it).
+            hop = (("primerl-forwarded-by", "1"),)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.EndEpisode(pb.EndEpisodeRequest(episode_id="ep-w1-0123"), metadata=hop)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            started = await stub.StartEpisode(pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT)))
+            assert started.episode_ids[0].startswith("ep-w0-")
+    finally:
+        await server.stop(0.5)
+        from server.forward import default_forwarder
+
+        await default_forwarder().close()
+
+
+async def _drain(call: Any) -> list[Any]:
+    return [c async for c in call]
