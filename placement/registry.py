@@ -131,9 +131,14 @@ class FleetStore:
     @classmethod
     def connect(cls, url: str, config: FleetConfig) -> FleetStore:
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
-        timeout = config.timeout_s
-        return cls(aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout), config)
+        timeout = config.timeout_s  # no retries inside redis-py: a failed call fails open at once
+        client = aioredis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+        )
+        return cls(client, config)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -72,6 +72,7 @@ class FleetMember:
         self._task: asyncio.Task[None] | None = None
         self._adopting = asyncio.Lock()
         self._registered = False
+        self._down_until = 0.0  # turns skip the registry read until then (it just failed)
         self._adding: set[str] = set()  # replica URLs being added now
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -118,16 +119,21 @@ class FleetMember:
             record = await self.store.model(self.model)
         except RegistryUnavailable as exc:
             self.failed_open(exc)
+            self._down_until = time.monotonic() + self.config.heartbeat_s
             if self._paused_for is not None and time.monotonic() - self._paused_at > self.config.update_timeout_s:
                 self._resume("its update could not be seen ending within fleet.update_timeout_s")
             return self.record
         self.record = record
-        await self._act(record)
+        try:
+            await self._act(record)
+        except RegistryUnavailable as exc:  # an ack or a replica write: the next read tries again
+            self.failed_open(exc)
         return record
 
     async def before_turn(self) -> None:
-        """At turn admission: adopt a newer fleet version (``check_each_turn``: from a fresh read)."""
-        if self.config.check_each_turn:
+        """At turn admission: adopt a newer fleet version (``check_each_turn``: from a fresh read, unless the
+        registry failed within the last heartbeat: then the heartbeat's reads retry it and turns do not wait)."""
+        if self.config.check_each_turn and time.monotonic() >= self._down_until:
             await self.refresh()
 
     async def _act(self, record: ModelRecord) -> None:
@@ -231,6 +237,8 @@ class FleetMember:
 
     async def update_weights(self, path: str, version: int, mode: str, apply: Callable[[int], Awaitable[int]]) -> int:
         """Pause the fleet, reload each replica once (``apply(version)``), bump the version, resume."""
+        if not version and self.bridge is not None:  # the registry may have lost its data (a Redis restart)
+            version = max(self.record.version, self.bridge.policy_version) + 1
         update, _ = await self.store.begin_update(self.model, version, mode)
         try:
             await self._act(update_record(self.record, update))  # this bridge pauses and drains like the others

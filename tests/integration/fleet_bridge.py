@@ -86,8 +86,15 @@ class FleetBridgeProcess:
         self.client = AsyncBridgeClient(self.address)
 
     async def ready(self, timeout: float = 60.0) -> FleetBridgeProcess:
-        await self.client.wait_until_ready(timeout)
-        return self
+        from rl_client.errors import NotFoundError
+
+        for _ in range(50):
+            try:  # NOT_FOUND: the gRPC port is up, the first health check not done yet
+                await self.client.wait_until_ready(timeout)
+                return self
+            except NotFoundError:
+                await asyncio.sleep(0.1)
+        raise TimeoutError(f"bridge on port {self.port} never reported SERVING")
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)

@@ -1,0 +1,96 @@
+"""Redis down under a fleet (issue 21, acceptance 5), with real processes.
+
+Two fleet bridge processes over two stand-in engine processes on one private Redis, which is then killed:
+both bridges keep serving (new episodes, Steps) with the last-known registry, and count it in
+``primerl_fail_open_total{component="fleet_registry"}`` on /metrics; ``UpdateWeights`` is refused UNAVAILABLE and
+reaches no replica (each still serves its start-up weights). With Redis back, the same update goes through on
+the whole fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engines.launch import free_port
+from rl_client.errors import UnavailableError
+from tests.integration.fleet_bridge import FleetBridgeProcess, fleet_env
+from tests.integration.redis_proc import PrivateRedis
+from tests.standins.serve import StandinProcess
+
+PROMPT = [1, 4, 30, 31, 32, 2, 5] * 3
+SAMPLING = {"max_tokens": 4, "ignore_eos": True, "seed": 3}
+
+
+@pytest.fixture
+def engines() -> Iterator[list[StandinProcess]]:
+    procs = [StandinProcess("sglang", free_port()) for _ in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture
+async def fleet(
+    redis_server: PrivateRedis, engines: list[StandinProcess]
+) -> AsyncIterator[tuple[FleetBridgeProcess, FleetBridgeProcess]]:
+    urls = [e.url for e in engines]
+    a, b = FleetBridgeProcess(urls, fleet_env(redis_server.url)), FleetBridgeProcess(urls, fleet_env(redis_server.url))
+    try:
+        await asyncio.gather(a.ready(), b.ready())
+        yield a, b
+    finally:
+        await asyncio.gather(a.close(), b.close())
+
+
+async def _fail_opens(bridge: FleetBridgeProcess) -> float:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        text = (await http.get(f"http://127.0.0.1:{bridge.metrics_port}/metrics", timeout=10)).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "primerl_fail_open":
+            return sum(s.value for s in family.samples if s.labels.get("component") == "fleet_registry")
+    return 0.0
+
+
+async def _weight_versions(engines: list[StandinProcess]) -> list[str]:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        return [(await http.get(f"{e.url}/get_weight_version", timeout=5)).json()["weight_version"] for e in engines]
+
+
+async def test_bridges_serve_on_without_redis_and_refuse_version_changes_until_it_is_back(
+    fleet: tuple[FleetBridgeProcess, FleetBridgeProcess],
+    engines: list[StandinProcess],
+    redis_server: PrivateRedis,
+    tmp_path: Path,
+) -> None:
+    a, b = fleet
+    before = await _fail_opens(b)
+    redis_server.kill()
+    for bridge in (a, b):  # serving on with the last-known registry
+        ep = (await bridge.client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
+        turn = await bridge.client.step(ep, [9])
+        assert len(turn.token_ids) == 4 and turn.policy_version == 0
+        traj = await bridge.client.end_episode(ep)
+        assert traj.token_ids[-4:].tolist() == turn.token_ids.tolist()
+    assert await _fail_opens(b) > before  # counted and exported
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    with pytest.raises(UnavailableError, match="registry"):
+        await a.client.update_weights(str(checkpoint))
+    assert await _weight_versions(engines) == ["default", "default"]  # no replica was touched
+
+    redis_server.start()
+    assert await a.client.update_weights(str(checkpoint)) == 1
+    assert await _weight_versions(engines) == ["1", "1"]
+    ep = (await b.client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
+    assert (await b.client.step(ep)).policy_version == 1
