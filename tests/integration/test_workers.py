@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
@@ -41,6 +43,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _free_pair() -> int:
+    """A port p with p + 1 free too (a worker i serves /metrics on metrics.port + i)."""
+    for _ in range(100):
+        port = _free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two adjacent free ports")
 
 
 async def _front(target: str, forwarder: Forwarder) -> tuple[grpc.aio.Server, int]:
@@ -158,9 +174,10 @@ class Workers:
 
     def __init__(self, log_path: Path, redis_url: str) -> None:
         self.port, self.log_path = _free_port(), log_path
+        self.http_port, self.metrics_port = _free_port(), _free_pair()
         env = {
             **os.environ,
-            "PRIMERL_HTTP__PORT": "0",
+            "PRIMERL_HTTP__PORT": str(self.http_port),
             "PRIMERL_ENGINE__TOY__SEED": "3",
             "PRIMERL_REDIS__URL": redis_url,
             "PRIMERL_PERSISTENCE__ENABLED": "true",
@@ -168,7 +185,8 @@ class Workers:
         }
         cmd = [sys.executable, "-m", "server", "serve", "--engine", "toy", "--workers", "2", "--port", str(self.port)]
         with log_path.open("wb") as out:
-            self.proc = subprocess.Popen([*cmd, "--metrics-port", "0"], cwd=ROOT, env=env, stderr=out, stdout=out)
+            cmd += ["--metrics-port", str(self.metrics_port)]
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=out, stdout=out)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -342,3 +360,22 @@ async def test_a_call_for_a_dead_workers_episode_says_it_was_lost(tmp_path: Path
 
 async def _drain(call: Any) -> list[Any]:
     return [c async for c in call]
+
+
+async def test_each_worker_serves_its_metrics_and_worker_0_the_http_front_door(workers: Workers) -> None:
+    async with AsyncExitStack() as stack:
+        stubs = await _by_worker(workers.port, stack)
+        for stub in stubs.values():
+            await _episode(stub)
+    async with httpx.AsyncClient(timeout=30) as http:
+        pages = [(await http.get(f"http://127.0.0.1:{workers.metrics_port + i}/metrics")).text for i in (0, 1)]
+        for page in pages:  # each worker counts the Steps it ran (the episodes above: two on each)
+            steps = [
+                s.value
+                for f in text_string_to_metric_families(page)
+                for s in f.samples
+                if s.name == "primerl_rpc_handled_total" and s.labels.get("method", "").endswith("/Step")
+            ]
+            assert sum(steps) >= 2, page[:2000]
+        models = await http.get(f"http://127.0.0.1:{workers.http_port}/v1/models")
+        assert models.status_code == 200 and models.json()["data"][0]["id"]
