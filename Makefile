@@ -5,9 +5,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 
-.PHONY: help setup lock run demo-chat demo-ppo test unit lint gen-proto check-proto bench bench-gate gate-fast clean vllm-env verifiers-env
+.PHONY: help setup dev dev-loop lock run demo-chat demo-ppo test unit lint gen-proto check-proto bench bench-gate gate-fast clean vllm-env verifiers-env
 
 help:
+	@echo "make dev    - the quick start's first step: make setup (the venv with the dev tools, the test services)"
+	@echo "make dev-loop - scripts/dev_loop.sh: PPO, GRPO, the bridge with a metrics scrape and a verifier reward, perf gate"
 	@echo "make run    - set up, show one chat episode through the bridge, then run the GRPO training demo"
 	@echo "make demo-chat / demo-ppo - the 3-turn chat episode / the PPO value-head demo"
 	@echo "make test   - set up and run lint, type checks, proto freshness, the test suite and the fast perf gate"
@@ -48,6 +50,13 @@ setup: $(STAMP)
 	@# the package may start on 5432 is never used.
 	@{ command -v initdb || ls /usr/lib/postgresql/*/bin/initdb; } >/dev/null 2>&1 \
 		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
+
+# The product README's quick start says `make dev`: the same as setup (the dev tools come with '.[dev]').
+dev: setup
+
+# The quick start's end-to-end loop (scripts/dev_loop.sh; STEPS=2, a few minutes on CPU).
+dev-loop: setup
+	scripts/dev_loop.sh
 
 # The main job on the embedded SmolLM2: first one 3-turn chat episode through a bridge, printed turn by turn
 # (token ids, text, logprobs; examples/demo.py, ~20 s), then GRPO training through the bridge with a per-step
