@@ -62,7 +62,8 @@ def as_messages(prompt: PromptLike) -> list[Message]:
     return [m if isinstance(m, Message) else Message(str(m["role"]), str(m["content"])) for m in prompt]  # type: ignore[index]
 
 
-def _dicts(messages: Sequence[Message]) -> list[dict[str, str]]:
+def message_dicts(messages: Sequence[Message]) -> list[dict[str, str]]:
+    """Chat messages as the bridge client takes them."""
     return [{"role": m.role, "content": m.content, "name": m.name} for m in messages]
 
 
@@ -237,7 +238,7 @@ class InferenceModule:
             env, seed = item
             opening = await env.reset(seed=seed)
             tools = [t.to_json() for t in opening.tools]
-            started = await client.start_episode(_dicts(opening.messages), sampling=params, tools=tools)
+            started = await client.start_episode(message_dicts(opening.messages), sampling=params, tools=tools)
             tool_loop = ToolLoop(env, loop or EnvHubConfig().loop)
             texts, reasons, observation = [], [], None
             while True:
@@ -247,7 +248,7 @@ class InferenceModule:
                 reasons.append(decision.reason)
                 if not decision.should_continue:
                     break
-                observation = _dicts(decision.observation)
+                observation = message_dicts(decision.observation)
             reward = float(decision.reward or 0.0)
             return ToolEpisode(texts, reward, await client.end_episode(started.episode_id, reward=reward), reasons)
 
@@ -268,4 +269,4 @@ class InferenceModule:
             self.client.close()
 
 
-__all__ = ["Generation", "InferenceModule", "ToolEpisode", "as_messages"]
+__all__ = ["Generation", "InferenceModule", "ToolEpisode", "as_messages", "message_dicts"]

@@ -1,4 +1,5 @@
-"""Token-level policy losses (torch): the clipped surrogate, the k3 KL estimator, the clipped value loss.
+"""Token-level policy losses (torch): the clipped surrogate, prime-rl's token-level importance-sampling
+objective (AIPO), the k3 KL estimator, the clipped value loss.
 
 Inputs are ``[batch, tokens]`` tensors with a boolean ``mask`` of the tokens to train on. Aggregation:
 
@@ -64,6 +65,38 @@ def clipped_surrogate(
     return loss, stats
 
 
+def token_is_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float = 2.0,
+    mode: Aggregation = "seq_mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """prime-rl's token-level importance-sampling objective with clipping (AIPO, Tang et al. 2025).
+
+    ``-min(ratio, cap).detach() * A * logprob`` per token: the policy gradient of tokens sampled by an older
+    policy (``old_logprobs`` are the bridge's), each weighted by its truncated importance ratio. The weight
+    carries no gradient, so a stale token can never push its own ratio past ``cap``; tokens too stale to
+    correct at all are masked out beforehand (``grpo.masks.version_mask``).
+    """
+    m = mask.bool()
+    zero = torch.zeros_like(logprobs)
+    log_ratio = torch.where(m, logprobs - torch.where(m, old_logprobs, zero), zero).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max=cap).detach()
+    per_token = torch.where(m, -weight * torch.where(m, advantages, zero) * logprobs, zero)
+    loss = aggregate(per_token, mask, mode)
+    with torch.no_grad():
+        n = max(1, int(m.sum()))
+        stats = {
+            "clip_frac": float(((ratio > cap) & m).sum()) / n,
+            "ratio_mean": float(ratio[m].mean()) if m.any() else 1.0,
+        }
+    return loss, stats
+
+
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(policy || reference) (Schulman): ``exp(r) - r - 1``, ``r = ref - logp``."""
     r = ref_logprobs - logprobs
@@ -79,4 +112,4 @@ def value_loss(
     return aggregate(per_token, mask, "token_mean")
 
 
-__all__ = ["Aggregation", "aggregate", "clipped_surrogate", "kl_k3", "value_loss"]
+__all__ = ["Aggregation", "aggregate", "clipped_surrogate", "kl_k3", "token_is_loss", "value_loss"]

@@ -40,6 +40,12 @@ def loss_mask(traj: TokenRecord, exclude_origins: Iterable[str] = DEFAULT_EXCLUD
     return mask
 
 
+def version_mask(traj: TokenRecord, trainer_version: int, max_async_level: int) -> npt.NDArray[np.bool_]:
+    """Tokens sampled at most ``max_async_level`` policy versions before ``trainer_version`` (off-policy
+    masking, token by token from the versions the bridge recorded; a multi-turn episode can straddle an update)."""
+    return np.asarray(traj.policy_versions) >= trainer_version - max_async_level
+
+
 def oldest_version(traj: TokenRecord, mask: npt.NDArray[np.bool_] | None = None) -> int | None:
     """The oldest policy version among the trained tokens (None when no token is trained)."""
     m = loss_mask(traj) if mask is None else mask
@@ -106,4 +112,5 @@ __all__ = [
     "Verdict",
     "loss_mask",
     "oldest_version",
+    "version_mask",
 ]

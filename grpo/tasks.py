@@ -15,14 +15,17 @@ Reward (``arithmetic_rater``, weights sum to 1): a ``<tool_call>`` block (0.1) t
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from engines.toolcall import format_call
+from engines.types import Message
 from envhub import Mode, Rubric, ToolResult
+from grpo.environments import BaseEnvironment, State
 from grpo.rater import (
     Rollout,
     ToolTraceScore,
@@ -99,14 +102,17 @@ class Problem:
         return [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": self.question}]
 
 
-def make_problems(n: int, seed: int = 0, max_operand: int = 60) -> list[Problem]:
-    """``n`` questions ``What is a + b?`` / ``a - b`` with operands in [2, max_operand]."""
+def make_problems(n: int, seed: int = 0, max_operand: int = 60, ops: str = "+-", operands: int = 2) -> list[Problem]:
+    """``n`` questions ``What is a + b?`` / ``a - b`` with operands in [2, max_operand].
+
+    ``ops`` (any of ``+-*``) and ``operands`` (2-4) make harder ones, e.g. ``What is 37 * 4 - 19?``.
+    """
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        a, b = rng.randint(2, max_operand), rng.randint(2, max_operand)
-        op = rng.choice(["+", "-"])
-        expr = f"{a} {op} {b}"
+        nums = [rng.randint(2, max_operand) for _ in range(operands)]
+        chosen = [rng.choice(list(ops)) for _ in range(operands - 1)]
+        expr = " ".join(f"{op} {x}" for op, x in zip(["", *chosen], nums, strict=True)).strip()
         out.append(Problem(f"What is {expr}?", expr, calculate(expr)))
     return out
 
@@ -156,6 +162,39 @@ class ArithmeticEnv:
         return Rollout(self.texts, self.results, str(self.problem.answer), self.generated)
 
 
+class ArithmeticEnvironment(BaseEnvironment):
+    """The same task as an ``envhub.Environment`` (``grpo.environments``): seed ``i`` is ``problems[i]``."""
+
+    name = "arithmetic-calculator"
+    max_turns = 2
+
+    def __init__(self, problems: Sequence[Problem] | None = None, rater: Rubric[Rollout] | None = None) -> None:
+        super().__init__(problems if problems is not None else make_problems(4096))
+        self.rater = rater or arithmetic_rater()
+
+    def initial_messages(self, prompt: Any) -> list[Message]:
+        return [Message(m["role"], m["content"]) for m in prompt.messages()]
+
+    def prompt_tool_schemas(self) -> list[str]:
+        return [json.dumps(t) for t in TOOLS]  # shown to the model; the call is parsed in ``transition``
+
+    def transition(self, state: State, text: str) -> list[Message] | None:
+        reply = run_tool(text) if len(state.turns) == 1 else None
+        if reply is None:
+            return None
+        message, result = reply
+        state.tool_results.append(result)
+        return [Message("tool", message)]
+
+    def rollout(self, state: State) -> Rollout:
+        return Rollout(state.turns, state.tool_results, str(state.prompt.answer), int(state.info.get("generated", 0)))
+
+    def score(self, state: State) -> float:
+        scored = self.rater.score(self.rollout(state))
+        state.info["components"] = dict(scored.terms)
+        return scored.total
+
+
 def _trace(r: Rollout) -> ToolTraceScore:
     return score_tool_trace(r.turns[:1], r.tool_results, SCHEMAS)
 
@@ -188,6 +227,7 @@ __all__ = [
     "SYSTEM",
     "TOOLS",
     "ArithmeticEnv",
+    "ArithmeticEnvironment",
     "Problem",
     "arithmetic_rater",
     "calculate",

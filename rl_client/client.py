@@ -461,6 +461,10 @@ class BridgeClient:
     def server_info(self) -> pb.ServerInfo:
         return self._run(self._client.server_info())
 
+    def run(self, coro: Awaitable[T]) -> T:
+        """Run a coroutine that uses ``aio`` on the client's event loop, and return its result."""
+        return self._run(coro)
+
     def score_tokens(self, token_ids: Sequence[int], start: int, **kwargs: Any) -> pb.ScoreTokensResponse:
         return self._run(self._client.score_tokens(token_ids, start, **kwargs))
 

@@ -16,8 +16,8 @@ from envhub.eval.cli import add_eval_parser, run_eval_command
 from envhub.llmserve.cli import add_llmserve_parser, run_llmserve
 from envhub.sandbox_check import add_sandbox_parser, run_sandbox
 from envhub.verifier.cli import add_verifier_parser, run_verifier
-from grpo.cli import COMMANDS as RL_COMMANDS
-from grpo.cli import add_rl_parsers, run_rl_command
+from grpo.commands import COMMANDS as RL_COMMANDS
+from grpo.commands import add_rl_parsers, run_rl_command
 from placement.mig.cli import add_placement_parser, run_placement
 from server.config import ENV_ALIASES, Settings
 from server.control_cli import add_control_parser, add_replicas_parser, run_control, run_replicas

@@ -1,0 +1,194 @@
+"""``primerl rl``: single-node RL (a bridge child on the embedded engine, the orchestrator and the trainer).
+
+Configuration is prime-rl's layering (``engines.layered_config``): ``primerl rl @ examples/grpo.toml
+--max-steps 6 --ckpt --ckpt.interval 3``, ``PRIMERL_MAX_STEPS=6``, ``--dry-run`` prints the resolved TOML.
+The orchestrator (``RolloutManager`` over the bridge) and the trainer (``BackpropModule``) run in this
+process, the bridge as a child (``bridge.target`` names a running one instead). ``primerl trainer`` and
+``primerl orchestrator`` take the same config and run the same loop against ``bridge.target`` (the roles are
+not split across processes yet: both train and sample, like ``rl`` without starting a bridge).
+
+A run writes ``<out_dir>/metrics.jsonl`` (one record per step), ``<out_dir>/weights/``, checkpoints under
+``<out_dir>/checkpoints/step_N`` (``--ckpt``) and, with ``eval.problems > 0``, a held-out evaluation
+before and after training (greedy, the task's exact-answer rate) in ``<out_dir>/eval.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from grpo.algorithms import AlgorithmConfig
+from grpo.backprop import BackpropConfig
+from grpo.commands import COMMANDS
+from grpo.rollout import RolloutConfig
+
+log = logging.getLogger("primerl.rl")
+
+
+class BridgeSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field("", description="host:port of a running bridge; empty starts one as a child process.")
+    engine: str = Field("embedded", description="Engine of the child bridge.")
+    args: list[str] = Field(default_factory=list, description="Extra `primerl serve` arguments for the child.")
+
+
+class TaskSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["arithmetic"] = Field("arithmetic", description="The task: arithmetic through a calculator tool.")
+    problems: int = Field(4096, ge=1, description="Training problems (cycled through in order).")
+    max_operand: int = Field(60, ge=2, description="Operands are drawn from [2, max_operand].")
+    ops: str = Field("+-", min_length=1, description="Operators to draw from (any of + - *).")
+    operands: int = Field(2, ge=2, le=4, description="Operands per problem.")
+    seed: int = Field(0, ge=0, description="Seed of the training problems.")
+
+
+class EvalSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    problems: int = Field(0, ge=0, description="Held-out problems evaluated before and after training (0 = off).")
+    seed: int = Field(10_000, ge=0, description="Seed of the held-out problems (distinct from the training seed).")
+
+
+class RLConfig(AlgorithmConfig):
+    """``primerl rl`` (and ``trainer`` / ``orchestrator``)."""
+
+    algorithm: Literal["grpo", "ppo", "reinforce"] = Field("grpo", description="The training algorithm.")
+    max_steps: int = Field(30, ge=1, description="Steps to have run (a resumed run counts the steps before it).")
+    max_minutes: float = Field(0.0, ge=0, description="Start no step that would end after this (0 = no limit).")
+    bench: bool = Field(False, description="Print per-step timing figures at the end and write bench.json.")
+    model: str = Field("", description="Trainer model directory (default: the bridge's default model).")
+    log_level: str = Field("INFO", description="Console log level.")
+    bridge: BridgeSection = Field(default_factory=BridgeSection)
+    task: TaskSection = Field(default_factory=TaskSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: BackpropConfig = Field(default_factory=BackpropConfig)
+
+
+@contextmanager
+def _bridge(cfg: RLConfig) -> Iterator[str]:
+    if cfg.bridge.target:
+        yield cfg.bridge.target
+        return
+    from grpo.bridge_proc import bridge_process
+
+    with bridge_process(cfg.bridge.engine, cfg.bridge.args) as target:
+        yield target
+
+
+def build(cfg: RLConfig, target: str) -> Any:
+    """The algorithm for ``cfg`` against the bridge at ``target`` (model, environment, modules)."""
+    import grpo
+    from engines.model_store import load_model_and_tokenizer, resolve_model_dir
+    from grpo.tasks import ArithmeticEnvironment, make_problems
+
+    t = cfg.task
+    env = ArithmeticEnvironment(make_problems(t.problems, t.seed, t.max_operand, ops=t.ops, operands=t.operands))
+    inference = grpo.InferenceModule(target)
+    rollouts = grpo.RolloutManager(inference, env, cfg.rollout)
+    model, _ = load_model_and_tokenizer(Path(cfg.model) if cfg.model else resolve_model_dir(None))
+    model.train()
+    trainer_cfg = cfg.trainer.model_copy(update={"max_async_level": cfg.max_async_level})
+    backprop = grpo.BackpropModule(model, trainer_cfg, value_head=cfg.algorithm == "ppo")
+    cls = {"grpo": grpo.GRPOAlgorithm, "ppo": grpo.PPOAlgorithm, "reinforce": grpo.REINFORCEAlgorithm}[cfg.algorithm]
+    algo_cfg = AlgorithmConfig.model_validate(cfg.model_dump(include=set(AlgorithmConfig.model_fields)))
+    return cls(inference, rollouts, backprop, algo_cfg)
+
+
+def evaluate(algo: Any, cfg: RLConfig) -> dict[str, float]:
+    """Greedy exact-answer rate and mean reward on ``eval.problems`` held-out problems."""
+    from grpo.rollout import RolloutManager
+    from grpo.tasks import ArithmeticEnvironment, make_problems
+
+    t = cfg.task
+    held_out = make_problems(cfg.eval.problems, cfg.eval.seed, t.max_operand, ops=t.ops, operands=t.operands)
+    train_set = {p.question for p in algo.rollouts.environment.prompts}
+    held_out = [p for p in held_out if p.question not in train_set] or held_out
+    rc = cfg.rollout.model_copy(update={"num_prompts": len(held_out), "group_size": 1, "temperature": 0.0})
+    batch = RolloutManager(algo.inference, ArithmeticEnvironment(held_out), rc).collect(0)
+    correct = [t.state.info.get("components", {}).get("correct", 0.0) for t in batch]
+    return {
+        "problems": float(len(batch)),
+        "correct": sum(correct) / len(batch),
+        "reward": sum(b.reward for b in batch) / len(batch),
+    }
+
+
+def run_rl(cfg: RLConfig) -> int:
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
+    with _bridge(cfg) as target:
+        algo = build(cfg, target)
+        try:
+            report: dict[str, Any] = {}
+            if cfg.eval.problems and algo.step == 0:
+                report["before"] = evaluate(algo, cfg)
+                log.info("held-out before training: %s", report["before"])
+            budget = cfg.max_minutes * 60 - (time.perf_counter() - t0) if cfg.max_minutes else None
+            algo.train(cfg.max_steps, progress_bar=True, time_budget_s=budget)
+            if cfg.eval.problems:
+                report["after"] = evaluate(algo, cfg)
+                log.info("held-out after training: %s", report["after"])
+                (algo.out / "eval.json").write_text(json.dumps(report, indent=1))
+        finally:
+            algo.inference.close()
+    if cfg.bench:
+        _bench_summary(algo, time.perf_counter() - t0)
+    return 0
+
+
+def _bench_summary(algo: Any, wall_s: float) -> None:
+    rows = algo.history
+    mean = lambda k: sum(r.get(k, 0.0) for r in rows) / max(1, len(rows))  # noqa: E731
+    figures = {
+        "steps": len(rows),
+        "rollout_s_mean": mean("rollout_s"),
+        "train_s_mean": mean("train_s"),
+        "tokens_per_s_mean": mean("tokens_per_s"),
+        "reward_first": rows[0]["reward"] if rows else 0.0,
+        "reward_last": rows[-1]["reward"] if rows else 0.0,
+        "wall_s": wall_s,
+    }
+    (algo.out / "bench.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures))
+
+
+def run_command(command: str, argv: list[str]) -> int:
+    """``primerl rl | trainer | orchestrator`` with layered config; exits 2 on a bad config."""
+    from engines.layered_config import run_cli
+
+    try:
+        cfg = run_cli(RLConfig, argv, prog=f"primerl {command}", description=__doc__)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if command != "rl" and not cfg.bridge.target:
+        print(f"primerl {command}: set bridge.target (host:port of a running bridge)", file=sys.stderr)
+        return 2
+    return run_rl(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grpo.cli")
+    parser.add_argument("command", choices=COMMANDS)
+    args, rest = parser.parse_known_args(argv)
+    return run_command(args.command, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["RLConfig", "build", "evaluate", "main", "run_command", "run_rl"]

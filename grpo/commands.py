@@ -1,0 +1,27 @@
+"""The ``primerl`` subcommands ``grpo.cli`` serves, without importing it (``primerl serve`` stays free of torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+COMMANDS = ("rl", "trainer", "orchestrator")
+
+
+def add_rl_parsers(sub: Any) -> None:
+    """List the entry points in ``primerl --help`` (their flags are layered config: ``primerl rl --help``)."""
+    for name, text in (
+        ("rl", "single-node RL: a bridge child, the orchestrator and the trainer (@ rl.toml, --max-steps, --ckpt)"),
+        ("trainer", "the RL loop against a running bridge (bridge.target)"),
+        ("orchestrator", "the RL loop against a running bridge (bridge.target)"),
+    ):
+        sub.add_parser(name, help=text, add_help=False)
+
+
+def run_rl_command(command: str, argv: list[str]) -> int:
+    """``primerl rl | trainer | orchestrator``: ``grpo.cli``, imported now."""
+    from grpo.cli import run_command
+
+    return run_command(command, argv)
+
+
+__all__ = ["COMMANDS", "add_rl_parsers", "run_rl_command"]
