@@ -90,13 +90,15 @@ class WorkerSlot:
         return owner if owner < self.count else None
 
     def settings_for(self, settings: Settings) -> Settings:
-        """This worker's settings: its own /metrics port, and the HTTP front door on worker 0 only."""
+        """This worker's settings: its own /metrics port and fleet name, the HTTP front door on worker 0 only."""
         metrics_port = settings.metrics.port + self.index if settings.metrics.port else 0
         http_port = settings.http.port if self.index == 0 else 0
+        fleet_id = f"{settings.fleet.bridge_id}-w{self.index}" if settings.fleet.bridge_id else ""
         return settings.model_copy(
             update={
                 "metrics": settings.metrics.model_copy(update={"port": metrics_port}),
                 "http": settings.http.model_copy(update={"port": http_port}),
+                "fleet": settings.fleet.model_copy(update={"bridge_id": fleet_id}),
             }
         )
 
