@@ -12,6 +12,9 @@ over the measured window; Steps per bridge CPU-second is the efficiency a second
 within 10 % of one worker), Steps/s the capacity it must add (target: >= 1.5x). On a machine whose cores the
 generators need too, Steps/s cannot double: the generators' CPU per Step is printed so the limit shows.
 
+A third configuration starts every episode through one worker and steps and ends it through the other
+(every Step forwarded over the private socket): what forwarding costs in bridge CPU per Step.
+
 Usage: python -m bench.workers [--seconds 10] [--rounds 3] [--generators 2] [--inflight 64]
 """
 
@@ -65,13 +68,35 @@ def tree_cpu(pids: list[int]) -> float:
     return total
 
 
-async def _generate(port: int, channels: int, inflight: int, begin: float, seconds: float) -> tuple[int, float]:
-    """Steps completed inside [begin, begin + seconds] (wall clock) and this process's CPU over that window."""
+async def _partners(chans: list[grpc.aio.Channel], start_req: bytes, cross: bool) -> list[grpc.aio.Channel]:
+    """The channel each channel's episodes are stepped through: itself, or (``cross``) one on another worker."""
+    if not cross:
+        return chans
+    owners = []
+    for chan in chans:
+        start = chan.unary_unary(SERVICE + "StartEpisode", None, pb.StartEpisodeResponse.FromString)
+        ep = (await start(start_req)).episode_ids[0]
+        await chan.unary_unary(SERVICE + "EndEpisode", None, None)(
+            pb.EndEpisodeRequest(episode_id=ep, discard=True).SerializeToString()
+        )
+        owners.append(ep.split("-")[1])
+    others = [[c for c, o in zip(chans, owners, strict=True) if o != mine] for mine in owners]
+    if not all(others):
+        raise RuntimeError(f"every connection of this generator reached one worker ({owners}): cannot cross")
+    return [other[i % len(other)] for i, other in enumerate(others)]
+
+
+async def _generate(
+    port: int, channels: int, inflight: int, begin: float, seconds: float, cross: bool = False
+) -> tuple[int, float]:
+    """Steps completed inside [begin, begin + seconds] (wall clock) and this process's CPU over that window;
+    ``cross``: every episode is started through one worker and stepped and ended through another."""
     opts = [("grpc.use_local_subchannel_pool", 1)]
     chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) for _ in range(channels)]
     start_req = pb.StartEpisodeRequest(
         prompt_token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True)
     ).SerializeToString()
+    partners = await _partners(chans, start_req, cross)
     end = begin + seconds
     done = 0
     cpu: list[float] = []
@@ -80,8 +105,8 @@ async def _generate(port: int, channels: int, inflight: int, begin: float, secon
         nonlocal done
         chan = chans[i % channels]
         start = chan.unary_unary(SERVICE + "StartEpisode", None, pb.StartEpisodeResponse.FromString)
-        step = chan.unary_stream(SERVICE + "Step", None, None)
-        close = chan.unary_unary(SERVICE + "EndEpisode", None, None)
+        step = partners[i % channels].unary_stream(SERVICE + "Step", None, None)
+        close = partners[i % channels].unary_unary(SERVICE + "EndEpisode", None, None)
         while time.time() < end:
             ep = (await start(start_req)).episode_ids[0]
             req = pb.StepRequest(episode_id=ep, observation_token_ids=pb.TokenIds(ids=[9])).SerializeToString()
@@ -107,9 +132,15 @@ async def _generate(port: int, channels: int, inflight: int, begin: float, secon
 
 
 def _generator(
-    port: int, channels: int, inflight: int, begin: float, seconds: float, out: multiprocessing.Queue[tuple[int, float]]
+    port: int,
+    channels: int,
+    inflight: int,
+    begin: float,
+    seconds: float,
+    cross: bool,
+    out: multiprocessing.Queue[tuple[int, float]],
 ) -> None:
-    out.put(asyncio.run(_generate(port, channels, inflight, begin, seconds)))
+    out.put(asyncio.run(_generate(port, channels, inflight, begin, seconds, cross)))
 
 
 def _wait_for_workers(port: int, workers: int, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
@@ -147,7 +178,7 @@ class Side:
         return pct([getattr(r, name) for r in self.runs], 50)
 
 
-def measure(workers: int, seconds: float, generators: int, inflight: int) -> Run:
+def measure(workers: int, seconds: float, generators: int, inflight: int, cross: bool = False) -> Run:
     proc, port = start_bridge("--engine", "toy", "--workers", str(workers))
     try:
         _wait_for_workers(port, workers, proc)
@@ -155,7 +186,8 @@ def measure(workers: int, seconds: float, generators: int, inflight: int) -> Run
         out = ctx.Queue()
         begin = time.time() + SETTLE_S + 2.0  # + the generators' own start-up
         per = inflight // generators
-        procs = [ctx.Process(target=_generator, args=(port, 8, per, begin, seconds, out)) for _ in range(generators)]
+        args = (port, 8, per, begin, seconds, cross, out)
+        procs = [ctx.Process(target=_generator, args=args) for _ in range(generators)]
         for p in procs:
             p.start()
         time.sleep(max(0.0, begin - time.time()))
@@ -177,17 +209,19 @@ def measure(workers: int, seconds: float, generators: int, inflight: int) -> Run
 
 def main(seconds: float, rounds: int, generators: int, inflight: int) -> None:
     load = os.getloadavg()[0]
-    sides = {1: Side(), 2: Side()}
+    sides = {"1": Side(), "2": Side(), "2x": Side()}  # 2x: 2 workers, every Step and EndEpisode forwarded
+    order = ["1", "2", "2x"]
     for r in range(rounds):
-        for workers in (1, 2) if r % 2 == 0 else (2, 1):
-            run = measure(workers, seconds, generators, inflight)
-            sides[workers].runs.append(run)
+        for name in order[r % 3 :] + order[: r % 3]:
+            run = measure(int(name[0]), seconds, generators, inflight, cross=name == "2x")
+            sides[name].runs.append(run)
             print(
-                f"round {r + 1}, {workers} worker(s): {run.steps_per_s:,.0f} Steps/s, "
+                f"round {r + 1}, {name} worker(s): {run.steps_per_s:,.0f} Steps/s, "
                 f"{run.steps_per_cpu_s:,.0f} Steps per bridge CPU-s, generators {run.gen_cpu_us_per_step:,.0f} us/Step",
                 flush=True,
             )
-    one, two = sides[1], sides[2]
+    one, two, cross = sides["1"], sides["2"], sides["2x"]
+    forward_us = (1 / cross.median("steps_per_cpu_s") - 1 / two.median("steps_per_cpu_s")) * 1e6
     tput = two.median("steps_per_s") / one.median("steps_per_s")
     eff = two.median("steps_per_cpu_s") / one.median("steps_per_cpu_s")
     tput_rounds = [b.steps_per_s / a.steps_per_s for a, b in zip(one.runs, two.runs, strict=True)]
@@ -212,6 +246,12 @@ def main(seconds: float, rounds: int, generators: int, inflight: int) -> None:
             ">= 0.90",
         ),
         (
+            "2 workers, every Step forwarded to the other: Steps/s / Steps per bridge CPU-s",
+            f"{cross.median('steps_per_s'):,.0f} / {cross.median('steps_per_cpu_s'):,.0f}",
+            "",
+        ),
+        ("bridge CPU a forwarded Step adds", f"{forward_us:,.0f} us", ""),
+        (
             "CPU ceiling of Steps/s on this machine, 1 / 2 workers (ratio)",
             f"{ceiling_1:,.0f} / {ceiling_2:,.0f} ({ceiling_2 / ceiling_1:.2f}x)",
             "",
@@ -224,7 +264,7 @@ def main(seconds: float, rounds: int, generators: int, inflight: int) -> None:
     ]
     notes = (
         f"Toy engine, unary 16-token Steps, {inflight} in flight from {generators} load-generator processes "
-        f"(8 connections each), {seconds:.0f} s windows, {rounds} alternating rounds, medians. {cores} cores, "
+        f"(8 connections each), {seconds:.0f} s windows, {rounds} rounds in rotating order, medians. {cores} cores, "
         f"load average {load:.1f} at the start (other work shares the machine). A bridge worker needs about a "
         "core at full load, and the generators need CPU per Step too: with every core busy, Steps/s cannot pass "
         "cores / (bridge + generator CPU per Step) (the ceiling row; one worker is also capped at one core), "
@@ -240,6 +280,9 @@ def main(seconds: float, rounds: int, generators: int, inflight: int) -> None:
         "steps_per_s_ratio_rounds": tput_rounds,
         "steps_per_cpu_s_ratio_rounds": eff_rounds,
         "load_average_at_start": load,
+        "forwarded_steps_per_s_2": cross.median("steps_per_s"),
+        "forwarded_steps_per_cpu_s_2": cross.median("steps_per_cpu_s"),
+        "forwarded_step_extra_bridge_cpu_us": forward_us,
         "cpu_ceiling_steps_per_s_1": ceiling_1,
         "cpu_ceiling_steps_per_s_2": ceiling_2,
     }
@@ -250,7 +293,7 @@ def main(seconds: float, rounds: int, generators: int, inflight: int) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window per run")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating 1-worker / 2-worker runs of each")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of 1 worker, 2, and 2 with every Step forwarded")
     ap.add_argument("--generators", type=int, default=2, help="load-generator processes")
     ap.add_argument("--inflight", type=int, default=64, help="Steps in flight in total")
     args = ap.parse_args()
