@@ -120,6 +120,10 @@ def fleet_env(redis_url: str, **extra: str) -> dict[str, str]:
         "PRIMERL_FLEET__POLL_S": "0.05",
         "PRIMERL_FLEET__UPDATE_TIMEOUT_S": "20",
         "PRIMERL_CACHE__BLOCK_SIZE": "4",
+        # The routing index's writes and lookups get budgets a loaded CI machine meets (tests read the index).
+        "PRIMERL_CACHE__LOOKUP_BUDGET_MS": "500",
+        "PRIMERL_CACHE__WRITE_TIMEOUT_MS": "2000",
+        "PRIMERL_CACHE__BACKOFF_S": "0",
         "PRIMERL_METRICS__HEALTH_INTERVAL_S": "600",
         **extra,
     }
