@@ -2,16 +2,18 @@
 
 ``uvicorn envhub.llmserve.app:app --port 7860`` or ``primerl llmserve serve``. openenv-core gives
 ``/reset``, ``/step``, ``/state`` (stateless over HTTP), ``/ws`` (stateful sessions), ``/metadata``,
-``/health``, ``/schema`` and ``/mcp``. Errors: an unknown task -> 422 listing the tasks; a step on a
+``/health``, ``/schema`` and ``/mcp`` (and ``/web``, with ``GET /demo`` pointing there, when
+``ENABLE_WEB_INTERFACE=true``). Errors: an unknown task -> 422 listing the tasks; a step on a
 finished episode -> 409; a log that does not grade -> 422.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 from openenv.core.env_server.http_server import create_app
 from pydantic import BaseModel, Field
 
@@ -57,6 +59,11 @@ def _baseline() -> dict[str, Any]:
     return {"baseline": rows}
 
 
+def web_enabled() -> bool:
+    """The switch openenv-core's ``create_app`` reads to mount its Gradio interface at ``/web``."""
+    return os.getenv("ENABLE_WEB_INTERFACE", "false").lower() in ("true", "1", "yes")
+
+
 def build_app(archive: EpisodeArchive | None = None) -> FastAPI:
     archive = archive or EpisodeArchive()
     app = create_app(
@@ -89,6 +96,15 @@ def build_app(archive: EpisodeArchive | None = None) -> FastAPI:
         except (EpisodeLogError, UnknownTaskError) as exc:
             raise HTTPException(422, str(exc)) from exc
         return {**g.__dict__}
+
+    @app.get("/demo", tags=["LLMServeEnv"], response_model=None)
+    def demo() -> RedirectResponse | JSONResponse:
+        """openenv-core's web interface (``/web``), served when ``ENABLE_WEB_INTERFACE=true`` (the Space sets it)."""
+        if not web_enabled():
+            return JSONResponse(
+                {"detail": "the web interface is off: start the server with ENABLE_WEB_INTERFACE=true"}, 404
+            )
+        return RedirectResponse("/web/")
 
     @app.get("/baseline", tags=["LLMServeEnv"])
     def baseline() -> dict[str, Any]:
