@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from pathlib import Path
 
 import yaml
 
@@ -31,7 +30,11 @@ def test_openenv_validate_passes_on_the_space_directory() -> None:
 
 def test_uv_lock_is_current() -> None:
     out = subprocess.run(
-        [tool("uv"), "lock", "--check", "--project", str(SPACE)], capture_output=True, text=True, timeout=300, check=False
+        [tool("uv"), "lock", "--check", "--project", str(SPACE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert out.returncode == 0, f"deploy/spaces/llmserve/uv.lock is stale: run `uv lock` there\n{out.stderr}"
 
