@@ -90,6 +90,18 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return []
 
 
+def _item_type(annotation: Any) -> Any:
+    """``T`` of ``list[T]`` / ``tuple[T, ...]`` (Optional unwrapped), else None."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        found = [_item_type(a) for a in typing.get_args(annotation)]
+        return next((f for f in found if f is not None), None)
+    if origin in (list, tuple, set):
+        args = typing.get_args(annotation)
+        return args[0] if args else None
+    return None
+
+
 def _fields_of(models: Sequence[type[BaseModel]]) -> dict[str, Any]:
     """Field name -> annotation over every model a table may be (the union of their fields)."""
     out: dict[str, Any] = {}
@@ -136,6 +148,11 @@ def check_keys(cls: type[BaseModel], data: Mapping[str, Any], source: str) -> No
             inner = _models_in(fields[key])
             if inner and isinstance(value, Mapping):
                 walk(inner, value, f"{prefix}{key}.")
+            items = _models_in(_item_type(fields[key]))
+            if items and isinstance(value, list):  # [[env]] arrays of tables: each table checked
+                for i, item in enumerate(value):
+                    if isinstance(item, Mapping):
+                        walk(items, item, f"{prefix}{key}[{i}].")
 
     walk([cls], data, "")
 
@@ -186,9 +203,11 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
     try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"config file {p} cannot be read: {exc.strerror}") from exc
 
 
 def _text_value(cls: type[BaseModel], path: Sequence[str], raw: str) -> Any:

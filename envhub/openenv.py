@@ -145,8 +145,8 @@ async def _body_of(request: Request) -> dict[str, JSON]:
         return {}
     try:
         value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise InvalidArgument(f"body is not JSON: {e.msg}") from e
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8/16/32
+        raise InvalidArgument(f"body is not JSON: {getattr(e, 'msg', e)}") from e
     if not isinstance(value, dict):
         raise InvalidArgument("body must be a JSON object")
     return value

@@ -13,6 +13,7 @@ import importlib.resources
 import json
 from pathlib import Path
 
+from engines.errors import InvalidArgument
 from envhub.base import Task
 
 
@@ -34,6 +35,18 @@ TASKS_DIR = DATA_DIR / "tasks"
 
 def load_tasks(name: str, tasks_dir: str = "") -> tuple[Task, ...]:
     """Tasks from ``<tasks_dir or envhub/data/tasks>/<name>.json`` (a list of task_id/question/reference)."""
-    directory = Path(tasks_dir) if tasks_dir else TASKS_DIR
-    rows = json.loads((directory / f"{name}.json").read_text())
+    path = (Path(tasks_dir) if tasks_dir else TASKS_DIR) / f"{name}.json"
+    try:
+        rows = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:  # missing/unreadable, not JSON, not UTF-8
+        raise InvalidArgument(f"task file {path}: cannot be read as JSON: {exc}") from None
+    if not isinstance(rows, list):
+        raise InvalidArgument(f"task file {path}: must be a JSON list of {{{', '.join(_TASK_FIELDS)}}} objects")
+    for i, r in enumerate(rows):
+        bad = [k for k in _TASK_FIELDS if not isinstance(r, dict) or not isinstance(r.get(k), str)]
+        if bad:
+            raise InvalidArgument(f"task file {path}: task [{i}]: {', '.join(bad)}: missing or not a string")
     return tuple(Task(task_id=r["task_id"], question=r["question"], reference=r["reference"]) for r in rows)
+
+
+_TASK_FIELDS = ("task_id", "question", "reference")

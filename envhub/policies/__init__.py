@@ -83,9 +83,11 @@ def load_policy(ref: str | Path) -> SandboxPolicy:
     if not path.is_file():
         raise InvalidArgument(f"sandbox policy {str(ref)!r}: no such file, nor a shipped policy ({shipped_names()})")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes())  # bytes: PyYAML detects the encoding, rejects bad bytes
     except yaml.YAMLError as exc:
         raise InvalidArgument(f"{path}: not valid YAML: {exc}") from None
+    except OSError as exc:
+        raise InvalidArgument(f"{path}: cannot be read: {exc.strerror}") from None
     return parse_policy(data, str(path))
 
 
