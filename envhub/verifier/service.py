@@ -130,6 +130,7 @@ class Verifier:
         self._queue: asyncio.Queue[tuple[list[dict[str, Any]], asyncio.Future[list[Receipt]]]] = asyncio.Queue()
         self._appender = asyncio.create_task(self._append_loop(), name="verifier-appender")
         self.bridge = BridgeSource(config.bridge) if config.bridge else None
+        self._digests: dict[str, str] = {}
 
     @classmethod
     async def open(cls, config: VerifierConfig) -> Verifier:
@@ -155,6 +156,13 @@ class Verifier:
         await asyncio.get_running_loop().run_in_executor(self._writer, self.log.store.close)
         self._writer.shutdown(wait=True)
         self._graders.shutdown(wait=False, cancel_futures=True)
+
+    def _policy_digest(self, name: str, grader: Any) -> str:
+        """The grader's policy digest, computed once per grader id (a registered id never changes grader)."""
+        digest = self._digests.get(name)
+        if digest is None:
+            digest = self._digests[name] = grader_policy_digest(grader)
+        return digest
 
     async def end_episode(self, episode_id: str) -> BridgeTrajectory:
         """End ``episode_id`` on the ``--bridge`` and return its trajectory (``envhub.verifier.bridge``)."""
@@ -205,7 +213,7 @@ class Verifier:
             policy_version=req.trajectory.policy_version,
             started_at=started,
             grade_seconds=round(time.perf_counter() - t0, 6),
-            sandbox_policy_digest=grader_policy_digest(grader),
+            sandbox_policy_digest=self._policy_digest(req.grader, grader),
         )
 
     async def score_batch(self, reqs: Sequence[ScoreRequest]) -> list[ScoreResult | PrimeRLError]:

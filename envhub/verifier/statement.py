@@ -34,7 +34,6 @@ from engines.types import Origin
 ENCODING = "primerl.trajectory.v1"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://primerl-servekit.dev/attestation/verdict/v1"
-_CANONICAL_NAN = struct.pack(">Q", 0x7FF8000000000000)
 _ORIGIN_NAMES = {o.name.lower(): int(o) for o in Origin}
 
 
@@ -43,7 +42,13 @@ def canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+_ORIGIN_VALUES = frozenset(_ORIGIN_NAMES.values())
+_NAN = math.nan  # packs as the canonical quiet NaN, whatever payload the NaN it replaces had
+
+
 def _origin(value: Any) -> int:
+    if type(value) is int and value in _ORIGIN_VALUES:  # the common case, first
+        return value
     if isinstance(value, str):
         if value.lower() not in _ORIGIN_NAMES:
             raise ValueError(f"unknown origin {value!r}; one of {', '.join(_ORIGIN_NAMES)}")
@@ -79,9 +84,7 @@ class Trajectory(BaseModel):
         """The canonical encoding (module docstring)."""
         n = len(self.token_ids)
         eid = self.episode_id.encode()
-        lps = b"".join(
-            _CANONICAL_NAN if lp is None or math.isnan(lp) else struct.pack(">d", lp) for lp in self.logprobs
-        )
+        lps = struct.pack(f">{n}d", *[_NAN if lp is None or lp != lp else lp for lp in self.logprobs])
         return b"".join(
             (
                 ENCODING.encode() + b"\n",

@@ -63,6 +63,8 @@ def test_canonical_encoding_is_exactly_the_documented_layout() -> None:
     # every spelling of the same trajectory has the same subject; any change of a value changes it
     same = {**TRAJ, "logprobs": [math.nan, -0.5], "origins": [1, 3], "loss_mask": [False, True]}
     assert Trajectory.model_validate(same).digest() == t.digest()
+    payload_nan = struct.unpack(">d", bytes.fromhex("fff8000000000001"))[0]  # a negative NaN with a payload
+    assert Trajectory.model_validate({**TRAJ, "logprobs": [payload_nan, -0.5]}).digest() == t.digest()
     for field, value in [("token_ids", [5, 7]), ("logprobs", [None, -0.25]), ("loss_mask", [1, 1]),
                          ("origins", [1, 2]), ("policy_versions", [0, 4]), ("episode_id", "ep2")]:  # fmt: skip
         assert Trajectory.model_validate({**TRAJ, field: value}).digest() != t.digest(), field
