@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class CacheConfig(BaseModel):
@@ -64,6 +64,21 @@ class CacheConfig(BaseModel):
     )
     max_lookup_blocks: int = Field(8192, ge=1, description="Blocks looked up per request at most (longer tails miss).")
     key_prefix: str = Field("primerl:pfx", min_length=1, description="Prefix of every Redis key of the index.")
+    index_buckets: int = Field(
+        4096,
+        ge=1,
+        le=65536,
+        description="Redis index: hash keys the block records are spread over (a power of two, about the "
+        "fleet's indexed blocks / 64, so each stays a compact listpack); bridges with another value "
+        "do not see each other's blocks.",
+    )
+
+    @field_validator("index_buckets")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"index_buckets must be a power of two, got {v}")
+        return v
 
     def namespace(self) -> str:
         """Key namespace: bridges with another hash or block size never read each other's entries."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -46,7 +47,8 @@ from typing import Literal, Protocol
 Eviction = Literal["cost", "lru"]
 BYTES_PER_ENTRY = 24  # notional: 8 B hash + 8 B replica/state + 8 B score (what a compact store needs)
 REUSE_CAP = 16.0  # cost eviction: a block outlives a one-off by at most REUSE_CAP - 1 capacity turnovers
-CHAIN_EPS = 1e-6  # cost eviction: a parent scores at least this much above its child
+SCORE_UNITS = 1_000_000.0  # scores are integers: priorities in millionths (compact in Redis, cache/redis_scripts.py)
+CHAIN_EPS = 1.0  # cost eviction: a parent scores at least one unit above its child
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +136,13 @@ def score(
     that used the block (all replicas); ``holders``: replicas holding it; ``now``: seconds (LRU);
     ``cap``: ``horizon(capacity_ratio)``."""
     if mode == "lru":
-        return now + (n - i) * 1e-6
-    return clock + min(reuse / max(1, holders), cap) - 1.0
+        return quantize(now + (n - i) * 1e-6)
+    return quantize(clock + min(reuse / max(1, holders), cap) - 1.0)
+
+
+def quantize(x: float) -> float:
+    """A priority as a whole number of ``1 / SCORE_UNITS`` (the Lua scripts round the same way)."""
+    return float(math.floor(x * SCORE_UNITS + 0.5))
 
 
 def _order(h: int) -> int:

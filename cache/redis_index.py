@@ -1,14 +1,23 @@
 """Redis prefix index shared by any number of bridge processes (redis-py asyncio).
 
-Layout (``ns`` = ``CacheConfig.namespace()``; ``<hash>`` = the block hash as 8 little-endian bytes):
+Layout (``ns`` = ``CacheConfig.namespace()``; ``<hash>`` = the block hash as 8 little-endian bytes;
+``<bits>`` = log2 ``CacheConfig.index_buckets``; ``prefix(h, k)`` = the first ``k`` bits of ``<hash>``).
+Entries are packed so that Redis keeps them in its compact encodings (listpacks: hashes and sorted
+sets of at most 128 small entries), about 30 B per (block, replica) entry (bench/cache_index.py):
 
-- ``ns:b:<hash>``   HASH  field = replica id, value = ``"<hits>:<provisional_until_ms>"`` (0 = confirmed);
-  with cost eviction also field ``f`` = the block's reuse count over all replicas. When no
-  replica holds a reused block (``f`` >= 2) any more, the key stays, holding only ``f``, for
-  ``ghost_ttl_s`` (PEXPIRE; PERSIST when a replica takes it again), so a returning prefix
-  keeps its history; one-off blocks are deleted.
-- ``ns:r:<replica>`` ZSET member = ``<hash>``, score = eviction priority (cache/index.py ``score``)
-- ``ns:L:<replica>`` STRING the cost-eviction clock of that replica (insertions / capacity)
+- ``ns:h<bits>:<prefix(h, bits)>`` HASH  field = ``<hash>``, value = the block record
+  (cache/redis_scripts.py): its reuse count ``f`` over all replicas (cost eviction) and its
+  holders, each a replica id with, while provisional, its "provisional until" time. When no
+  replica holds a reused block (``f`` >= 2) any more, the record stays as a *ghost* (only
+  ``f`` and an expiry ``ghost_ttl_s`` ahead) so a returning prefix keeps its history; one-off
+  blocks are deleted. Expired ghosts are deleted by later writes (queue ``ns:gq``).
+- ``ns:r:<replica>:<prefix(h, k)>`` ZSET member = ``<hash>``, score = eviction priority
+  (cache/index.py ``score``, an integer); ``k`` is chosen from the replica's capacity at its first
+  write (about 64 entries per bucket) and kept in ``ns:L:<replica>``.
+- ``ns:r:<replica>`` ZSET member = a bucket prefix, score = the lowest score in that bucket:
+  eviction pops the replica's lowest entry in two steps, in the same order as one sorted set.
+- ``ns:L:<replica>`` HASH the cost-eviction clock of that replica (insertions / capacity), its
+  entry count and ``k``
 - ``ns:a:<key>``    STRING pinned replica of an episode / GRPO group (``SET NX EX``)
 
 Writes (record / confirm / drop) are one Lua script per call, so a replica's bound and its
@@ -17,7 +26,7 @@ The scripts build block keys from the hashes they are given (one 8-byte-per-hash
 cheap to send), so the index needs a standalone Redis or one cluster slot, not Redis Cluster.
 Lookups stop at the first block no still-matching replica holds. ``lookup_mode="script"``
 (default) does that walk server-side in one Lua call (one round trip); ``"pipeline"`` sends
-pipelined ``HGETALL``s in growing chunks (32, 128, 512 blocks). The near-cache reuses answers
+pipelined ``HGET``s in growing chunks (32, 128, 512 blocks). The near-cache reuses answers
 younger than ``near_cache_ttl_s`` (script mode: per chain; pipeline mode: per block), and this
 bridge's own writes invalidate them. Every lookup runs under ``lookup_budget_ms``; a
 Redis error or a slow lookup returns ``Match(ok=False)`` (load-only routing), is counted in
@@ -36,7 +45,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -45,148 +54,16 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from cache.config import CacheConfig
-from cache.index import CHAIN_EPS, IndexStats, Match, horizon
+from cache.index import IndexStats, Match, horizon
+from cache.redis_scripts import FORGET, LOOKUP, WRITE, decode, prefix
 
 log = logging.getLogger("primerl.cache")
 
-# KEYS: zset, clock  ARGV: replica, now_ms, mode, cap, block_size, until_ms, op, ns, hashes (8 B LE each),
-#   horizon, ghost_ttl_ms, chain_eps.  Same arithmetic, in the same order, as MemoryIndex._write.
-_WRITE = """
-local zkey, lkey = KEYS[1], KEYS[2]
-local rep, now, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local cap, bs, untl, op, ns = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8]
-local reuse_cap, ghost_ms, eps = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
-local clock = tonumber(redis.call('GET', lkey) or '0')
-local blob = ARGV[9]
-local n = #blob / 8
-local function unheld(key)
-  if redis.call('HLEN', key) == 1 then
-    local f = tonumber(redis.call('HGET', key, 'f'))
-    if f == nil then return end
-    if f >= 2 then redis.call('PEXPIRE', key, ghost_ms) else redis.call('DEL', key) end
-  end
-end
-if op == 'drop' then
-  for i = 0, n - 1 do
-    local member = string.sub(blob, 8 * i + 1, 8 * i + 8)
-    local key = ns .. ':b:' .. member
-    local v = redis.call('HGET', key, rep)
-    if v and string.match(v, ':(%d+)$') ~= '0' then
-      redis.call('HDEL', key, rep)
-      redis.call('ZREM', zkey, member)
-      unheld(key)
-    end
-  end
-  return 0
-end
-local floor = nil
-for i = n - 1, 0, -1 do
-  local member = string.sub(blob, 8 * i + 1, 8 * i + 8)
-  local key = ns .. ':b:' .. member
-  local v = redis.call('HGET', key, rep)
-  local hits, p = 0, untl
-  if v then
-    local a, b = string.match(v, '(%d+):(%d+)')
-    hits, p = tonumber(a), b
-  end
-  local bump = (op == 'record') or (not v)
-  if op == 'confirm' then p = '0' elseif v and p ~= '0' then p = untl end
-  if bump then hits = hits + 1 end
-  redis.call('HSET', key, rep, string.format('%d', hits) .. ':' .. p)
-  if mode == 'lru' then
-    if bump then redis.call('ZADD', zkey, 'GT', now / 1000.0 + (n - i) * 1e-6, member) end
-  else
-    local s = nil
-    if v then
-      s = tonumber(redis.call('ZSCORE', zkey, member))
-    else
-      clock = clock + 1 / cap
-      redis.call('PERSIST', key)
-    end
-    if bump then
-      local f = redis.call('HINCRBY', key, 'f', 1)
-      local holders = redis.call('HLEN', key) - 1
-      local x = clock + math.min(f / math.max(1, holders), reuse_cap) - 1
-      if s == nil or x > s then s = x end
-    end
-    if s == nil then s = clock - 1 end  -- held but missing from the ZSET (cannot happen via these scripts)
-    if floor ~= nil and floor > s then s = floor end
-    redis.call('ZADD', zkey, s, member)
-    floor = s + eps
-  end
-end
-local cnt = redis.call('ZCARD', zkey)
-local evicted = 0
-if cnt > cap then
-  local popped = redis.call('ZPOPMIN', zkey, cnt - cap)
-  for j = 1, #popped, 2 do
-    local key = ns .. ':b:' .. popped[j]
-    redis.call('HDEL', key, rep)
-    unheld(key)
-    evicted = evicted + 1
-  end
-end
-if mode == 'cost' then redis.call('SET', lkey, string.format('%.17g', clock)) end
-return evicted
-"""
-
-# ARGV: now_ms, ns, hashes (8 B LE each)  -> {blocks examined, replica, matched, replica, matched, ...}
-_LOOKUP = """
-local now = tonumber(ARGV[1])
-local prefix = ARGV[2] .. ':b:'
-local blob = ARGV[3]
-local alive = nil
-local matched = {}
-local examined = 0
-for i = 1, #blob / 8 do
-  examined = i
-  local f = redis.call('HGETALL', prefix .. string.sub(blob, 8 * i - 7, 8 * i))
-  local live = {}
-  local any = false
-  for j = 1, #f, 2 do
-    local p = f[j] ~= 'f' and tonumber(string.match(f[j + 1], ':(%d+)$'))
-    if p and (p == 0 or p > now) and (alive == nil or alive[f[j]]) then
-      live[f[j]] = true
-      any = true
-    end
-  end
-  if alive ~= nil then
-    for r, _ in pairs(alive) do
-      if not live[r] then matched[r] = i - 1 end
-    end
-  end
-  alive = live
-  if not any then break end
-end
-if alive ~= nil then
-  for r, _ in pairs(alive) do matched[r] = examined end
-end
-local out = {examined}
-for r, b in pairs(matched) do
-  if b > 0 then
-    table.insert(out, tonumber(r))
-    table.insert(out, b)
-  end
-end
-return out
-"""
-
-# KEYS: zset  ARGV: replica, ns, ghost_ttl_ms  -- remove every entry of a replica
-_FORGET = """
-local members = redis.call('ZRANGE', KEYS[1], 0, -1)
-for _, m in ipairs(members) do
-  local key = ARGV[2] .. ':b:' .. m
-  redis.call('HDEL', key, ARGV[1])
-  if redis.call('HLEN', key) == 1 then
-    local f = tonumber(redis.call('HGET', key, 'f'))
-    if f ~= nil and f >= 2 then redis.call('PEXPIRE', key, ARGV[3]) elseif f ~= nil then redis.call('DEL', key) end
-  end
-end
-redis.call('DEL', KEYS[1])
-return #members
-"""
-
 _CHUNKS = (32, 128, 512)
+
+
+def _hprefix(config: CacheConfig) -> bytes:
+    return f"{config.namespace()}:h{config.index_buckets.bit_length() - 1}:".encode()
 
 
 def _blob(hashes: Sequence[int]) -> bytes:
@@ -206,7 +83,8 @@ class RedisIndex:
     ) -> None:
         self.cfg = config
         self.ns = config.namespace()
-        self._bprefix = f"{self.ns}:b:".encode()
+        self._hb = config.index_buckets.bit_length() - 1
+        self._hprefix = _hprefix(config)
         self.clock_ms = clock_ms
         self.stats = IndexStats()
         budget = config.lookup_budget_ms / 1e3
@@ -217,9 +95,9 @@ class RedisIndex:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
-        self._write = self.redis.register_script(_WRITE)
-        self._forget = self.redis.register_script(_FORGET)
-        self._walk = self.redis.register_script(_LOOKUP)
+        self._write = self.redis.register_script(WRITE)
+        self._forget = self.redis.register_script(FORGET)
+        self._walk = self.redis.register_script(LOOKUP)
         self._answers: OrderedDict[int, tuple[float, Match]] = OrderedDict()  # script mode near-cache
         self._capacity: dict[int, int] = {}
         self._near: OrderedDict[int, tuple[float, tuple[tuple[int, float], ...]]] = OrderedDict()
@@ -229,8 +107,17 @@ class RedisIndex:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _bkey(self, h: int) -> bytes:
-        return self._bprefix + h.to_bytes(8, "little")
+    def block_key(self, h: int) -> tuple[bytes, bytes]:
+        """The hash key and field of block ``h``'s record."""
+        member = h.to_bytes(8, "little")
+        return self._hprefix + prefix(member, self._hb), member[self._hb // 8 :]
+
+    @staticmethod
+    def block_key_of(config: CacheConfig, h: int) -> tuple[bytes, bytes]:
+        """``block_key`` of an index with ``config`` (no client needed)."""
+        hb = config.index_buckets.bit_length() - 1
+        member = h.to_bytes(8, "little")
+        return _hprefix(config) + prefix(member, hb), member[hb // 8 :]
 
     def _failed(self, exc: BaseException, what: str) -> None:
         self.stats.errors += 1
@@ -239,6 +126,27 @@ class RedisIndex:
 
     def _down(self) -> bool:
         return time.monotonic() < self._down_until
+
+    def _state(self, replica: int, now: float) -> list[str | int | bytes]:
+        """The ARGV every write script starts with (cache/redis_scripts.py ``_STATE``)."""
+        if not 0 <= replica < 32767:
+            raise ValueError(f"replica id {replica} out of range for the Redis index (0..32766)")
+        cap = self._capacity.get(replica, self.cfg.default_capacity_blocks)
+        return [replica, f"{now:.0f}", self.ns, self._hb, f"{self.cfg.ghost_ttl_s * 1e3:.0f}", cap]
+
+    async def held(self, replica: int) -> set[int]:
+        """Block hashes ``replica`` holds in the index (tests, debugging: reads every bucket)."""
+        top = f"{self.ns}:r:{replica}".encode()
+        out: set[int] = set()
+        for b in cast(list[bytes], await self.redis.zrange(top, 0, -1)):
+            members = cast(list[bytes], await self.redis.zrange(top + b":" + b, 0, -1))
+            out |= {int.from_bytes(m, "little") for m in members}
+        return out
+
+    async def block(self, h: int) -> tuple[int, dict[int, float], float | None] | None:
+        """Block ``h``'s record: (reuse count, replica -> provisional-until ms or 0, ghost expiry ms) or None."""
+        rec = cast(bytes | None, await self.redis.hget(*self.block_key(h)))
+        return decode(rec) if rec is not None else None
 
     def set_capacity(self, replica: int, blocks: int) -> None:
         self._capacity[replica] = max(1, blocks)
@@ -280,7 +188,7 @@ class RedisIndex:
             if item is not None and item[0] >= now:
                 self.stats.near_cache_hits += 1
                 return item[1]
-        raw = await self._walk(keys=[], args=[f"{now:.0f}", self.ns, _blob(hashes)])
+        raw = await self._walk(keys=[], args=[f"{now:.0f}", self.ns, self._hb, _blob(hashes)])
         self.stats.round_trips += 1
         it = iter(raw[1:])
         match = Match({int(r): int(b) for r, b in zip(it, it, strict=True)}, True, int(raw[0]))
@@ -314,11 +222,11 @@ class RedisIndex:
                 part = hashes[i : i + size]
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for h in part:
-                        pipe.hgetall(self._bkey(h))
+                        pipe.hget(*self.block_key(h))
                     raw = await pipe.execute()
                 self.stats.round_trips += 1
-                for h, fields in zip(part, raw, strict=True):
-                    row = tuple((int(k), float(v.split(b":", 1)[1])) for k, v in fields.items() if k != b"f")
+                for h, rec in zip(part, raw, strict=True):
+                    row = tuple(decode(rec)[1].items())
                     if row:
                         self._near_put(h, row, now)
                     rows.append(row)
@@ -365,19 +273,11 @@ class RedisIndex:
             return
         now = self.clock_ms()
         until = "0" if op == "confirm" else f"{int(now + self.cfg.provisional_ttl_s * 1e3)}"
-        cap = self._capacity.get(replica, self.cfg.default_capacity_blocks)
-        keys = [f"{self.ns}:r:{replica}", f"{self.ns}:L:{replica}"]
-        args: list[str | int | bytes] = [replica, f"{now:.0f}", self.cfg.eviction, cap, self.cfg.block_size, until, op]
-        args += [
-            self.ns,
-            _blob(hashes),
-            repr(horizon(self.cfg.capacity_ratio)),
-            f"{self.cfg.ghost_ttl_s * 1e3:.0f}",
-            repr(CHAIN_EPS),
-        ]
+        args = [*self._state(replica, now), self.cfg.eviction, until, op, _blob(hashes)]
+        args.append(repr(horizon(self.cfg.capacity_ratio)))
         try:
             async with asyncio.timeout(self.cfg.write_timeout_ms / 1e3):
-                evicted = await self._write(keys=keys, args=args)
+                evicted = await self._write(keys=[], args=args)
             self.stats.round_trips += 1
             self.stats.evictions += int(evicted)
         except (RedisError, OSError, TimeoutError) as exc:
@@ -412,8 +312,7 @@ class RedisIndex:
         self._answers.clear()
         try:
             async with asyncio.timeout(self.cfg.write_timeout_ms / 1e3 * 10):
-                ghost_ms = f"{self.cfg.ghost_ttl_s * 1e3:.0f}"
-                await self._forget(keys=[f"{self.ns}:r:{replica}"], args=[replica, self.ns, ghost_ms])
+                await self._forget(keys=[], args=self._state(replica, self.clock_ms()))
         except (RedisError, OSError, TimeoutError) as exc:
             self.stats.write_errors += 1
             self._failed(exc, "forget_replica")

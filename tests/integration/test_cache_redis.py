@@ -6,6 +6,7 @@ import asyncio
 import sys
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,19 @@ async def two_indexes(
     yield a, b
     await a.close()
     await b.close()
+
+
+def twin(url: str, now: list[float], capacity: int, **settings: Any) -> tuple[RedisIndex, MemoryIndex]:
+    """A Redis index and a memory index with the same settings, on one mocked clock (``now[0]``, seconds)."""
+    cfg = CacheConfig(
+        block_size=BS, default_capacity_blocks=capacity, lookup_budget_ms=500, write_timeout_ms=5000,
+        near_cache_ttl_s=0, **settings,
+    )  # fmt: skip
+    mem = MemoryIndex(
+        BS, capacity=capacity, eviction=cfg.eviction, clock=lambda: now[0], ghost_ttl_s=cfg.ghost_ttl_s,
+        capacity_ratio=cfg.capacity_ratio,
+    )  # fmt: skip
+    return RedisIndex(url, cfg, clock_ms=lambda: now[0] * 1e3), mem
 
 
 def req(eid: str, toks: list[int], gid: str = "", first: bool = False) -> RouteRequest:
@@ -137,9 +151,9 @@ async def test_bounds_and_eviction_match_the_memory_backend(redis_server: Privat
             await red.flush()
             mem.record_now(replica, chain)
             now[0] += 1
-        held = [bytes(h) for h in await red.redis.zrange(f"{cfg.namespace()}:r:0", 0, -1)]  # type: ignore[arg-type]
+        held = await red.held(0)
         assert len(held) == 6
-        assert {int.from_bytes(h, "little") for h in held} == set(mem._holders)
+        assert held == set(mem._holders)
         for chain in ([1, 2, 3], [7, 8, 9], [20, 21, 22]):
             assert (await red.lookup(chain)).blocks == mem.lookup_now(chain).blocks
     finally:
@@ -156,12 +170,8 @@ async def test_cost_eviction_with_shared_reuse_and_ghosts_matches_the_memory_bac
     import random
 
     now = [5000.0]
-    cfg = CacheConfig(
-        block_size=BS, default_capacity_blocks=10, lookup_budget_ms=500, write_timeout_ms=2000,
-        near_cache_ttl_s=0, lookup_mode=lookup_mode, ghost_ttl_s=60, capacity_ratio=0.1,
-    )  # fmt: skip
-    red = RedisIndex(redis_server.url, cfg, clock_ms=lambda: now[0] * 1e3)
-    mem = MemoryIndex(BS, capacity=10, clock=lambda: now[0], ghost_ttl_s=60, capacity_ratio=0.1)
+    red, mem = twin(redis_server.url, now, 10, lookup_mode=lookup_mode, ghost_ttl_s=60, capacity_ratio=0.1)
+    cfg = red.cfg
     rng = random.Random(11)
     prompts = [[1000 * p + j for j in range(1, rng.randint(3, 6))] for p in range(1, 4)]
     chains = []
@@ -183,14 +193,14 @@ async def test_cost_eviction_with_shared_reuse_and_ghosts_matches_the_memory_bac
             await red.flush()
             now[0] += 1
             for r in (0, 1):
-                zset = await red.redis.zrange(f"{cfg.namespace()}:r:{r}", 0, -1)  # type: ignore[arg-type]
-                held = {int.from_bytes(bytes(h), "little") for h in zset}
+                held = await red.held(r)
                 assert held == {h for h, holders in mem._holders.items() if r in holders}, (step, r)
         assert red.stats.evictions == mem.stats.evictions > 0
         for chain in chains:
             assert (await red.lookup(chain)).blocks == mem.lookup_now(chain).blocks
         for h, f in mem._reuse.items():  # one reuse count per block, over both replicas
-            assert int(await red.redis.hget(red._bkey(h), "f")) == f  # type: ignore[arg-type]
+            rec = await red.block(h)
+            assert rec is not None and rec[0] == f
         # A scan of one-offs squeezes every prompt out of both replicas: reused blocks stay as
         # ghosts (only their count, with a TTL); one-off blocks leave nothing behind.
         for k in range(40):  # 20 turnovers per replica: more than any reuse buys (1 / ratio = 10)
@@ -200,19 +210,54 @@ async def test_cost_eviction_with_shared_reuse_and_ghosts_matches_the_memory_bac
         await red.flush()
         assert mem._ghosts
         for h, (f, _) in mem._ghosts.items():
-            key = red._bkey(h)
-            assert await red.redis.hgetall(key) == {b"f": str(f).encode()}  # type: ignore[misc]
-            assert 0 < await red.redis.pttl(key) <= 60_000
+            rec = await red.block(h)  # a ghost: no holders, the count and an expiry ghost_ttl_s ahead at most
+            assert rec is not None and rec[0] == f and not rec[1] and rec[2] is not None
+            assert 0 < rec[2] - now[0] * 1e3 <= 60_000
         gone = [h for h in (100_000 + j for j in range(100)) if h not in mem._ghosts and h not in mem._reuse]
-        assert gone and not await red.redis.exists(*(red._bkey(h) for h in gone))
+        assert gone and all([await red.block(h) is None for h in gone])
         # A returning prompt gets its count back, and its key loses the TTL again.
         await red.record(0, prompts[0])
         mem.record_now(0, prompts[0])
         await red.flush()
         h0 = prompts[0][0]
-        assert int(await red.redis.hget(red._bkey(h0), "f")) == mem._reuse[h0] > 1  # type: ignore[arg-type]
-        assert await red.redis.pttl(red._bkey(h0)) == -1
+        rec = await red.block(h0)
+        assert rec is not None and rec[0] == mem._reuse[h0] > 1
+        assert rec[2] is None and rec[1] == {0: now[0] * 1e3 + cfg.provisional_ttl_s * 1e3}  # held again, no expiry
         assert (await red.lookup(prompts[0])).blocks == mem.lookup_now(prompts[0]).blocks == {0: len(prompts[0])}
+    finally:
+        await red.close()
+
+
+@pytest.mark.parametrize("eviction", ["cost", "lru"])
+async def test_bucketed_eviction_order_matches_one_sorted_set(redis_server: PrivateRedis, eviction: str) -> None:
+    """With a capacity that spreads a replica's entries over several score buckets (and block records over
+    several hash buckets), evictions still pop the replica's lowest entries first, ties by hash bytes,
+    exactly as the memory index's single heap does."""
+    import random
+
+    now = [7000.0]
+    red, mem = twin(redis_server.url, now, 300, index_buckets=64, eviction=eviction, capacity_ratio=0.25)
+    rng = random.Random(5)
+    shared = [[rng.getrandbits(64) for _ in range(rng.randint(5, 30))] for _ in range(6)]
+    try:
+        for step in range(50):
+            chain = [*rng.choice(shared), *(rng.getrandbits(64) for _ in range(rng.randint(5, 40)))]
+            replica = rng.randrange(2)
+            if rng.random() < 0.5:
+                await red.record(replica, chain)
+                mem.record_now(replica, chain)
+            else:
+                await red.confirm(replica, chain)
+                mem.confirm_now(replica, chain)
+            await red.flush()
+            now[0] += 0.5
+            for r in (0, 1):
+                assert await red.held(r) == {h for h, hs in mem._holders.items() if r in hs}, (step, r)
+        assert red.stats.evictions == mem.stats.evictions > 100
+        buckets = await red.redis.zcard(f"{red.cfg.namespace()}:r:0")
+        assert buckets > 1  # the replica's entries really are spread over several sorted sets
+        for chain in shared:
+            assert (await red.lookup(chain)).blocks == mem.lookup_now(chain).blocks
     finally:
         await red.close()
 

@@ -20,7 +20,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from cache.config import CacheConfig
 from cache.fingerprint import Fingerprinter
+from cache.redis_index import RedisIndex
 from engines.launch import free_port
 from engines.salt import salt_text
 from rl_client.errors import BridgeError
@@ -30,7 +32,7 @@ from tests.standins.serve import StandinProcess
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5] * 3
 SAMPLING = {"max_tokens": 6, "ignore_eos": True, "seed": 1}
-INDEX_NS = b"primerl:pfx:xxh3_64:4:b:"  # the routing index's block keys (cache block size 4, fleet_env)
+INDEX = CacheConfig(block_size=4)  # the routing index's layout (cache block size 4, fleet_env)
 
 
 @pytest.fixture
@@ -75,7 +77,7 @@ async def _indexed(r: aioredis.Redis, token_ids: list[int], salt: str) -> bool:
     """Whether the routing index holds the last full block of ``token_ids`` under ``salt`` (writes are async)."""
     last = Fingerprinter(block_size=4).hashes(token_ids, salt)[-1]
     for _ in range(50):
-        if await r.exists(INDEX_NS + last.to_bytes(8, "little")):
+        if await r.hexists(*RedisIndex.block_key_of(INDEX, last)):
             return True
         await asyncio.sleep(0.1)
     return False
