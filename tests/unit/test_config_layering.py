@@ -15,6 +15,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from engines.layered_config import ConfigError, load_config, run_cli, to_toml
+from grpo.cli import RLConfig
 from server.config import Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -217,12 +218,12 @@ def test_serve_dry_run_keeps_config_and_short_flags_and_takes_every_layer(tmp_pa
 # ---------------------------------------------------------------- every TOML shipped in the repo
 
 # Which entry point's schema a shipped TOML is written for, by path prefix (first match wins); a TOML that
-# no rule names fails the test below, so a new one must be placed here. The RL entry points register their
-# configs the same way (``grpo`` helpers: add ``("examples/grpo", RLConfig)`` and friends).
+# no rule names fails the test below, so a new one must be placed here.
 SCHEMAS: list[tuple[str, type[BaseModel]]] = [
-    ("examples/bridge", Settings),
+    ("examples/bridge", Settings),  # primerl serve
+    ("examples/grpo", RLConfig),  # primerl rl / trainer / orchestrator
 ]
-NOT_CONFIGS = {"pyproject.toml"}
+NOT_CONFIGS = {"pyproject.toml"}  # packaging metadata (the repo's, a deploy image's), no entry point reads it
 
 
 def shipped_tomls() -> list[str]:
@@ -233,7 +234,7 @@ def shipped_tomls() -> list[str]:
         text=True,
         check=True,
     ).stdout.split()
-    return sorted(p for p in listed if p not in NOT_CONFIGS and (REPO / p).is_file())
+    return sorted(p for p in listed if Path(p).name not in NOT_CONFIGS and (REPO / p).is_file())
 
 
 def test_every_toml_shipped_in_the_repo_loads_under_its_entry_points_schema() -> None:
@@ -244,3 +245,24 @@ def test_every_toml_shipped_in_the_repo_loads_under_its_entry_points_schema() ->
         assert schema is not None, f"{rel}: say which entry point reads it in SCHEMAS"
         config = load_config(schema, ["@", str(REPO / rel)], env={})
         assert to_toml(config)  # and it prints back for --dry-run
+
+
+class Env(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(description="Environment id.")
+    weight: float = Field(1.0, description="Sampling weight.")
+
+
+class WithEnvs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    env: list[Env] = Field(default_factory=list, description="Environments.")
+
+
+def test_arrays_of_tables_are_checked_item_by_item(tmp_path: Path) -> None:
+    ok = toml(tmp_path, "ok.toml", '[[env]]\nid = "a"\n[[env]]\nid = "b"\nweight = 2.0\n')
+    assert [e.weight for e in load_config(WithEnvs, ["@", str(ok)], env={}).env] == [1.0, 2.0]
+    bad = toml(tmp_path, "bad.toml", '[[env]]\nid = "a"\n[[env]]\nid = "b"\nweigth = 2.0\n')
+    with pytest.raises(ConfigError, match=r"unknown config key 'env\[1\]\.weigth'.*did you mean 'env\[1\]\.weight'"):
+        load_config(WithEnvs, ["@", str(bad)], env={})
