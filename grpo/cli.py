@@ -145,25 +145,74 @@ def run_rl(cfg: RLConfig) -> int:
                 (algo.out / "eval.json").write_text(json.dumps(report, indent=1))
         finally:
             algo.inference.close()
+    if algo.history:
+        plot(algo.history, algo.out / "reward_curve.png", f"SmolLM2-135M, {cfg.algorithm} through the bridge")
+        log.info("reward curve: %s", algo.out / "reward_curve.png")
     if cfg.bench:
-        _bench_summary(algo, time.perf_counter() - t0)
+        _bench_summary(algo, cfg, time.perf_counter() - t0)
     return 0
 
 
-def _bench_summary(algo: Any, wall_s: float) -> None:
+def _bench_summary(algo: Any, cfg: RLConfig, wall_s: float) -> None:
+    """``--bench``: timing figures to ``bench.json``, and to ``bench/RESULTS.md`` from a source checkout."""
     rows = algo.history
-    mean = lambda k: sum(r.get(k, 0.0) for r in rows) / max(1, len(rows))  # noqa: E731
+    mean = lambda k, rs=rows: sum(r.get(k, 0.0) for r in rs) / max(1, len(rs))  # noqa: E731
+    k = max(1, min(5, len(rows) // 2))
     figures = {
         "steps": len(rows),
         "rollout_s_mean": mean("rollout_s"),
         "train_s_mean": mean("train_s"),
         "tokens_per_s_mean": mean("tokens_per_s"),
-        "reward_first": rows[0]["reward"] if rows else 0.0,
-        "reward_last": rows[-1]["reward"] if rows else 0.0,
+        "reward_first": mean("reward", rows[:k]),
+        "reward_last": mean("reward", rows[-k:]),
         "wall_s": wall_s,
     }
     (algo.out / "bench.json").write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures))
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "_common.py").is_file():
+        return
+    sys.path.insert(0, str(root))
+    from bench._common import record
+
+    mode = f"async (max_async_level={cfg.max_async_level})" if cfg.max_async_level else "sync"
+    record(
+        f"rl_{cfg.algorithm}_{'async' if cfg.max_async_level else 'sync'}",
+        f"primerl rl ({cfg.algorithm}, {mode}, {cfg.rollout.num_prompts}x{cfg.rollout.group_size} episodes/step)",
+        [
+            ("steps run", str(len(rows)), f"<= {cfg.max_steps}"),
+            (
+                f"mean reward, first {k} -> last {k} steps",
+                f"{figures['reward_first']:.3f} -> {figures['reward_last']:.3f}",
+                "",
+            ),
+            ("rollout time / step (mean)", f"{figures['rollout_s_mean']:.1f} s", ""),
+            ("train time / step incl. weight push (mean)", f"{figures['train_s_mean']:.1f} s", ""),
+            ("generated tokens/s during rollouts (mean)", f"{figures['tokens_per_s_mean']:.1f}", ""),
+            ("wall time incl. bridge start", f"{wall_s / 60:.1f} min", ""),
+        ],
+        figures | {"per_step": rows},
+    )
+
+
+def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
+    """The reward curve (mean reward and correct answers per step) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in history]
+    ax.plot(steps, [r["reward"] for r in history], marker="o", label="mean reward")
+    if history and "reward/correct" in history[0]:
+        ax.plot(steps, [r["reward/correct"] for r in history], marker=".", linestyle="--", label="correct answer")
+    ax.set(xlabel="step", ylabel="reward (0-1)", ylim=(-0.02, 1.02), title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def run_command(command: str, argv: list[str]) -> int:
