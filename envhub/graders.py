@@ -55,6 +55,9 @@ class FnGrader(Generic[S]):
     fn: Callable[[S], float]
     version: str = "1"
     sandbox_policy: str | SandboxPolicy = DEFAULT_GRADER_POLICY
+    # A built-in grader whose cost is tiny and bounded (constant, exact): the verifier calls it inline
+    # instead of handing it to a grader thread. Never set it for user code.
+    inline: bool = False
 
     def __call__(self, sample: S, /) -> float:
         return float(self.fn(sample))
@@ -191,7 +194,7 @@ def grade_exact(answer: str, reference: str) -> float:
     return 0.0
 
 
-EXACT: Grader[Answer] = FnGrader("exact", lambda a: grade_exact(a.text, a.reference))
+EXACT: Grader[Answer] = FnGrader("exact", lambda a: grade_exact(a.text, a.reference), inline=True)
 
 
 class WithParams(Protocol):
@@ -209,7 +212,7 @@ def grade_constant(sample: WithParams) -> float:
     return float(value)
 
 
-CONSTANT: Grader[WithParams] = FnGrader("constant", grade_constant)
+CONSTANT: Grader[WithParams] = FnGrader("constant", grade_constant, inline=True)
 
 _REGISTRY: dict[str, Grader[Any]] = {}
 
