@@ -1,8 +1,9 @@
 """The verifier core: grade a trajectory with a registered grader, sign the verdict, append it to the log.
 
 One request (or batch item) is graded in a thread of ``grader_threads`` under ``grader_timeout_s`` (or
-the item's smaller ``timeout_s``; trusted graders are synchronous functions), or, for an untrusted
-grader (``sandboxed.py``), in a sandboxed process; a failing or late item fails alone. Graded verdicts go to one
+the item's smaller ``timeout_s``; trusted graders are synchronous functions), inline for the built-ins
+marked ``inline`` (constant, exact: no thread hop), or, for an untrusted grader (``sandboxed.py``), in a
+sandboxed process; a failing or late item fails alone. Graded verdicts go to one
 named background task, the *appender*, which takes everything queued (up to ``max_batch`` verdicts),
 signs and appends it in one transaction with one checkpoint on the log's single writer thread, and
 fans the receipts back to the waiting requests: group commit, so concurrent callers share a checkpoint.
