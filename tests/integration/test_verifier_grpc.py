@@ -212,3 +212,21 @@ async def test_score_by_episode_id_ends_it_on_the_bridge(start_bridge: StartBrid
                 vpb.ScoreRequest(grader="constant", episode_id=episode, params_json='{"value": 1}'), timeout=10
             )
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "episode_id" in (err.value.details() or "")
+
+
+async def test_the_grpo_rater_is_a_grader_the_service_finds_by_entry_point(verifier: Served) -> None:
+    """The project declares the GRPO demo's rater under primerl.graders; the served verdict is the trainer's reward."""
+    from envhub import ToolResult
+    from grpo.rater import Rollout
+    from grpo.tasks import arithmetic_rater
+
+    turns = ['<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>', "Answer: 5"]
+    for answer, ok in (("5", True), ("6", False)):
+        rollout = Rollout(turns, [ToolResult("calculator", "5")], answer)
+        params = {"turns": turns, "tool_results": [{"name": "calculator", "content": "5"}], "reference": answer}
+        got = await verifier.stub.Score(
+            vpb.ScoreRequest(grader="grpo-arithmetic", trajectory=PB_TRAJECTORY, params_json=json.dumps(params)),
+            timeout=10,
+        )
+        assert got.reward == pytest.approx(arithmetic_rater()(rollout))
+        assert (got.reward == pytest.approx(1.0)) is ok
