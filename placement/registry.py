@@ -11,6 +11,7 @@ Keys (``{p}`` = ``FleetConfig.key_prefix``)
   if the bridge running the update dies.
 * ``{p}:model:{m}:acks:{target}`` set: bridges that paused and drained for the update to ``target``.
 * ``{p}:model:{m}:replicas`` hash: engine replica URL -> JSON ``ReplicaRecord``.
+* ``{p}:model:{m}:stamp``: incremented by every write above, so a bridge checks for news with one GET.
 * ``{p}:bridge:{id}`` JSON ``BridgeRecord`` with a TTL (the heartbeat); ``{p}:bridges`` the set of ids.
 * ``{p}:episode:{id}``: the address of the bridge that owns the episode, with a TTL.
 
@@ -53,8 +54,12 @@ class FleetConfig(BaseModel):
         "", max_length=256, description="host:port other bridges and trainers reach this bridge at; empty = host:port."
     )
     key_prefix: str = Field("primerl:fleet", min_length=1, max_length=64, description="Prefix of every registry key.")
-    heartbeat_s: float = Field(1.0, gt=0, le=60, description="How often a bridge re-registers and re-reads its model.")
-    poll_s: float = Field(0.1, gt=0, le=10, description="How often the registry is polled while an update is running.")
+    heartbeat_s: float = Field(
+        1.0, gt=0, le=60, description="How often a bridge re-registers (its record lives 3x this)."
+    )
+    poll_s: float = Field(
+        0.1, gt=0, le=10, description="How often a bridge reads its model's record (version, update, replicas)."
+    )
     check_each_turn: bool = Field(
         True,
         description="Read the model's fleet version (one Redis round trip) when each turn opens, so a bridge adopts a "
@@ -113,6 +118,7 @@ class ModelRecord:
     replicas: tuple[ReplicaRecord, ...] = ()
     update: Update | None = None
     read_at: float = field(default=0.0, compare=False)  # monotonic clock of the read
+    stamp: int = field(default=-1, compare=False)  # ``{p}:model:{m}:stamp`` when read (see ``FleetStore.stamp``)
 
 
 def check_version(version: int) -> None:
@@ -165,9 +171,10 @@ class FleetStore:
             pipe.hgetall(self._k("model", name))
             pipe.hgetall(self._k("model", name, "update"))
             pipe.hgetall(self._k("model", name, "replicas"))
+            pipe.get(self._k("model", name, "stamp"))
             return list(await pipe.execute())
 
-        head, upd, reps = await self._call("read model", read)
+        head, upd, reps, stamp = await self._call("read model", read)
         update = None
         if upd.get(b"target") and upd.get(b"token"):
             update = Update(int(upd[b"target"]), upd[b"token"].decode(), upd.get(b"mode", b"keep").decode())
@@ -179,7 +186,15 @@ class FleetStore:
             replicas,
             update,
             time.monotonic(),
+            int(stamp or 0),
         )
+
+    async def stamp(self, name: str) -> int:
+        """A counter bumped by every write to the model's record (one GET: the cheap check before each turn)."""
+        return int(await self._call("read stamp", lambda: self.redis.get(self._k("model", name, "stamp"))) or 0)
+
+    def _bump(self, pipe: Any, name: str) -> None:
+        pipe.incr(self._k("model", name, "stamp"))
 
     async def begin_update(self, name: str, target: int, mode: str) -> tuple[Update, int]:
         """Start an update of ``name`` to ``target`` (0 = current + 1); returns it and the current version.
@@ -208,6 +223,7 @@ class FleetStore:
                     )
                 pipe.multi()
                 pipe.hset(upd, mapping={"target": version, "token": token, "mode": mode})
+                self._bump(pipe, name)
                 pipe.pexpire(upd, int(self.config.update_timeout_s * 1000))
                 pipe.sadd(self._k("models"), name)
                 await pipe.execute()
@@ -239,6 +255,7 @@ class FleetStore:
                 pipe.multi()
                 pipe.hset(key, mapping={"version": update.target, "weights": weights})
                 pipe.delete(upd, self._k("model", name, "acks", str(update.target)))
+                self._bump(pipe, name)
                 await pipe.execute()
 
         try:
@@ -254,6 +271,7 @@ class FleetStore:
             token = await self.redis.hget(upd, "token")
             if token is not None and token.decode() == update.token:
                 await self.redis.delete(upd, self._k("model", name, "acks", str(update.target)))
+                await self.redis.incr(self._k("model", name, "stamp"))
 
         await self._call("end update", end)
 
@@ -282,6 +300,7 @@ class FleetStore:
 
         async def put() -> None:
             await self.redis.hset(self._k("model", model, "replicas"), replica.url, json.dumps(asdict(replica)))
+            await self.redis.incr(self._k("model", model, "stamp"))
             await self.redis.sadd(self._k("models"), model)
 
         await self._call("write replica", put)
@@ -293,7 +312,12 @@ class FleetStore:
         return ReplicaRecord(**json.loads(raw))
 
     async def remove_replica(self, model: str, url: str) -> None:
-        gone = await self._call("remove replica", lambda: self.redis.hdel(self._k("model", model, "replicas"), url))
+        async def remove() -> int:
+            gone = int(await self.redis.hdel(self._k("model", model, "replicas"), url))
+            await self.redis.incr(self._k("model", model, "stamp"))
+            return gone
+
+        gone = await self._call("remove replica", remove)
         if not gone:
             raise NotFound(f"model {model!r} has no replica {url!r}")
 

@@ -5,9 +5,11 @@ One policy version per model across all bridges (``placement.registry`` holds it
 * **Adoption.** A bridge labels tokens and salts the prefix cache with its replicas' versions. When the
   registry's version of its model is newer, the bridge adopts it before the next turn opens: a shared (HTTP)
   replica, already reloaded by the bridge that ran the update, is relabelled (``adopt_version``); a private
-  (in-process) one is reloaded from the registry's weight location. The registry is read at every heartbeat
-  and, with ``fleet.check_each_turn`` (default), once more when each turn opens (one Redis round trip), so a
-  bridge never tags a token or builds a salt with a version the fleet has left, even between heartbeats.
+  (in-process) one is reloaded from the registry's weight location. Two mechanisms, either one sufficient while
+  Redis is up: (1) the update barrier below: no version is committed until every live bridge paused and drained,
+  and a paused bridge adopts before it resumes; (2) with ``fleet.check_each_turn`` (default) each turn open reads
+  the record's stamp (one GET) and re-reads the record when it moved, which also covers a bridge the barrier
+  missed (its heartbeat lost with Redis's data). The background loop reads the record every ``fleet.poll_s``.
 * **Updates** (``update_weights``, through any bridge): ``begin_update`` marks the update in Redis; every bridge
   sees it (its poll or its next turn), pauses new turns on the model (``mode=abort``: aborts the running ones,
   partial tokens kept), waits for its Steps in flight to end and acks; once every live bridge acked, the updating
@@ -103,8 +105,7 @@ class FleetMember:
                     await self.heartbeat()
                 next_beat = now + self.config.heartbeat_s
             await self.refresh()
-            busy = self._paused_for is not None or self.record.update is not None
-            await asyncio.sleep(self.config.poll_s if busy else min(self.config.heartbeat_s, next_beat - now))
+            await asyncio.sleep(self.config.poll_s)
 
     async def heartbeat(self) -> None:
         load = self.bridge.inflight if self.bridge is not None else 0
@@ -131,9 +132,18 @@ class FleetMember:
         return record
 
     async def before_turn(self) -> None:
-        """At turn admission: adopt a newer fleet version (``check_each_turn``: from a fresh read, unless the
-        registry failed within the last heartbeat: then the heartbeat's reads retry it and turns do not wait)."""
-        if self.config.check_each_turn and time.monotonic() >= self._down_until:
+        """At turn admission (``check_each_turn``): one GET of the record's stamp, and a whole read when it moved,
+        so a new version is adopted before this turn; skipped for a heartbeat after a registry failure (the
+        background reads retry it, turns do not wait on a dead Redis)."""
+        if not self.config.check_each_turn or time.monotonic() < self._down_until:
+            return
+        try:
+            stamp = await self.store.stamp(self.model)
+        except RegistryUnavailable as exc:
+            self.failed_open(exc)
+            self._down_until = time.monotonic() + self.config.heartbeat_s
+            return
+        if stamp != self.record.stamp:  # the record changed since the last read: read it whole and act
             await self.refresh()
 
     async def _act(self, record: ModelRecord) -> None:
