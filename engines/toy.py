@@ -117,6 +117,7 @@ class ToyEngine:
         self._base_bigram = self._bigram
         self._exp_trigram = np.exp(self._trigram)
         self._rng = np.random.default_rng(config.seed + 1)
+        self._last_id = v - 1
         self._aborted: set[str] = set()
         self._version = 0
         self.tokenizer = ToyTokenizer(v)
@@ -148,13 +149,14 @@ class ToyEngine:
         prev = history[-2] if len(history) > 1 else BOS
         weights = self._exp_bigram[last] * self._exp_trigram[(prev * 31 + last) % 997]
         # ndarray methods, not np.cumsum/np.searchsorted: the same computation without the array-function
-        # dispatch, which costs more than the arithmetic on a vocabulary this small.
+        # dispatch, which costs more than the arithmetic on a vocabulary this small; and .item(): Python
+        # floats, the same IEEE doubles as NumPy scalars, cheaper to compute with.
         cdf = weights.cumsum()
-        total = cdf[-1]
-        token = min(int(cdf.searchsorted(rng.random() * total, side="right")), cdf.shape[0] - 1)
-        while weights[token] == 0.0:  # a zero-width bucket can only be hit at its edge
+        total = cdf.item(-1)
+        token = min(int(cdf.searchsorted(rng.random() * total, side="right")), self._last_id)
+        while weights.item(token) == 0.0:  # a zero-width bucket can only be hit at its edge
             token -= 1
-        return token, math.log(weights[token] / total)
+        return token, math.log(weights.item(token) / total)
 
     def _forward(
         self,
@@ -206,18 +208,20 @@ class ToyEngine:
         drafter = request.drafter
         plain = params.temperature == 1.0 and unfiltered(params)
         saved = 0  # tokens emitted beyond one per target forward (speculation)
+        delay, every, want_raw = self.config.token_delay_s, self.config.yield_every, params.raw_logprobs
+        aborted, forward, request_id = self._aborted, self._forward, request.request_id
         try:
             while produced < budget:
-                if request.request_id in self._aborted:
+                if request_id in aborted:
                     finish = FinishReason.ABORT
                     break
-                if self.config.token_delay_s:
-                    await asyncio.sleep(self.config.token_delay_s)
-                rows, emitted = self._forward(history, params, rng, drafter, budget - produced - 1, plain)
+                if delay:
+                    await asyncio.sleep(delay)
+                rows, emitted = forward(history, params, rng, drafter, budget - produced - 1, plain)
                 saved += len(emitted) - 1
                 stopped = False
                 for i, (token, logprob, origin) in enumerate(emitted):
-                    if params.raw_logprobs:
+                    if want_raw:
                         raw.append(raw_logprob(rows[i], token) if rows else logprob)  # plain: raw = sampled
                     history.append(token)
                     ids.append(token)
@@ -230,9 +234,7 @@ class ToyEngine:
                 if stopped:
                     finish = FinishReason.STOP
                     break
-                if produced < budget and (
-                    self.config.token_delay_s or produced % self.config.yield_every < len(emitted)
-                ):
+                if produced < budget and (delay or produced % every < len(emitted)):
                     # Emit what we have and let other episodes and cancellation in. Not after
                     # every token: one event-loop turn costs ~100 us inside a grpc.aio server,
                     # more than a toy token, so tokens go out in batches as real engines do.
@@ -241,7 +243,7 @@ class ToyEngine:
                         tuple(ids), tuple(logprobs), version, self._origins(origins), raw_logprobs=tuple(raw)
                     )
                     ids, logprobs, raw, origins = [], [], [], []
-                    if not self.config.token_delay_s:
+                    if not delay:
                         await asyncio.sleep(0)
             usage = Usage(prompt_tokens=prompt_len, cached_tokens=0, generated_tokens=produced)
             yield TokenChunk(

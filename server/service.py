@@ -20,7 +20,7 @@ from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.auth import current_tenant
 from server.bridge import Bridge
-from server.calls import NO_OVERRIDES, EndRequest, SamplingOverrides, StartRequest, StepRequest
+from server.calls import NO_OVERRIDES, EndRequest, SamplingOverrides, StartRequest, StepRequest, StepUpdate
 from server.envsession import EnvOutcome
 from server.episodes import Turn
 from server.errors import PrimeRLError, status_code
@@ -161,6 +161,9 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         try:
             await context.send_initial_metadata(ACCEPTED_METADATA)  # accepted: the client's retry policy stops
             async for u in updates:
+                if u.last and u.turn is not None and not ids:  # the whole Step in one update (most unary Steps)
+                    yield self._whole(u, u.turn)
+                    continue
                 ids.extend(u.token_ids)
                 logprobs.extend(u.logprobs)
                 raw_seen = raw_seen or bool(u.raw_logprobs)
@@ -192,6 +195,18 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             await updates.aclose()
             await handle.close()
 
+    def _whole(self, u: StepUpdate, turn: Turn) -> pb.StepChunk:
+        """The one chunk of a Step whose tokens came in one update: built from the update's tuples, no copies
+        (what the general path of ``Step`` sends for it, field for field)."""
+        ids = u.token_ids
+        n = len(ids)
+        chunk = self._chunk(ids, u.logprobs, u.origins, turn, ids[max(0, n - (turn.end - turn.generation_start)) :])
+        if u.env is not None:
+            chunk.done.env.CopyFrom(_env_status(u.env))
+        if u.raw_logprobs:
+            chunk.raw_logprobs.extend(u.raw_logprobs if len(u.raw_logprobs) == n else [math.nan] * n)
+        return chunk
+
     def _chunk(
         self,
         ids: Sequence[int],
@@ -207,7 +222,12 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         if (t := turn) is not None:
             done = chunk.done  # filled in place: no TurnDone built and then copied
             done.finish_reason = int(t.finish_reason or 0)  # type: ignore[assignment]
-            done.usage.CopyFrom(_usage(t))
+            usage, u = done.usage, t.usage  # set in place: no Usage message built and then copied
+            usage.prompt_tokens, usage.cached_tokens, usage.generated_tokens = (
+                u.prompt_tokens,
+                u.cached_tokens,
+                u.generated_tokens,
+            )
             done.policy_version = t.policy_version
             done.turn_index = t.index
             done.text = self._decode(turn_ids)

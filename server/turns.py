@@ -72,6 +72,8 @@ class Turns:
             policy_version=version,
         )
         episode.turns.append(turn)
+        if budget == params.max_tokens and seed == params.seed:  # nothing to change (most turns): no copy
+            return turn, params
         return turn, replace(params, max_tokens=budget, seed=seed)
 
     async def abort_all(self) -> int:
