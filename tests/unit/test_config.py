@@ -37,11 +37,13 @@ def test_bad_values_and_unknown_keys_are_refused(tmp_path: Path) -> None:
         load_settings(tmp_path / "missing.toml")
 
 
-def test_every_shipped_config_file_loads() -> None:
-    files = sorted((REPO / "examples").glob("**/*.toml"))
-    assert files, "examples/ should ship at least one config file"
+def test_every_shipped_bridge_config_file_loads() -> None:
+    # Other entry points' TOMLs (examples/grpo.toml: primerl rl) are loaded under their own schema by
+    # tests/unit/test_config_layering.py, which covers every TOML in the repo.
+    files = sorted((REPO / "examples").glob("**/bridge*.toml"))
+    assert files, "examples/ should ship at least one bridge config file"
     for f in files:
-        load_settings(f)
+        load_settings(f, env={})
 
 
 def test_every_field_is_documented() -> None:
@@ -71,6 +73,7 @@ def test_cli_flags_are_exactly_the_documented_ones() -> None:
         "--model",
         "--port",
         "--redis-url",
+        "--workers",
     ]
     args = build_parser().parse_args(
         [
