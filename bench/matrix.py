@@ -50,6 +50,12 @@ MATRIX: tuple[Bench, ...] = (
     Bench("placement", "MIG placement: heuristic vs ILP", ("--instances", "40", "--exact-limit", "0")),
     Bench("load", "1,000 concurrent streaming episodes", ("--episodes", "200")),
     Bench("verifier", "signed verdicts appended to the Merkle log", ("--n", "500")),
+    Bench(
+        "fleet",
+        "1, 2, 4 bridges behind the control plane; fleet-wide weight update",
+        ("--seconds", "5"),
+        ("--seconds", "2"),
+    ),
 )
 
 
