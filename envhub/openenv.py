@@ -1,49 +1,89 @@
-"""OpenEnv compatibility: serve a hub environment over HTTP, and use a remote one.
+"""OpenEnv for the Env Hub, on openenv-core: serve a hub environment, and use a remote OpenEnv one.
 
-Wire format (OpenEnv's HTTP environment server):
+Serving: ``create_app(factory)`` is openenv-core's ``create_app`` over ``HubEnvironment``, which wraps one hub
+environment per session (``factory()`` makes it). So a hub env gets everything openenv-core's server gives —
+``/ws`` stateful sessions, ``/reset``/``/step``/``/state`` over HTTP (stateless: one fresh environment per
+request, as openenv-core defines them), ``/schema``, ``/metadata``, ``/health``, ``/mcp`` — and passes
+``openenv validate --url``. Wire types:
 
-- ``POST /reset`` ``{"seed": int?, "task_id": str?}`` ->
-  ``{"observation": {"messages": [...], "tools": [...], "task_id": str}, "reward": null, "done": false}``
-- ``POST /step`` ``{"action": {"tool": name, "arguments": {...}} | {"answer": str}}`` ->
-  ``{"observation": {"messages": [...]}, "reward": float, "done": bool}``
-- ``GET /state`` -> ``{"episode_id", "step_count", "env_name", "task_id", "done", "reward"}``
-- ``GET /health`` -> ``{"status": "healthy"}``
-- ``GET /schema`` -> JSON schemas of ``action``, ``observation`` and ``state``.
+- ``HubAction``: ``{"tool": name, "arguments": {...}}`` or ``{"answer": text}`` (exactly one of the two);
+- ``HubObservation``: ``messages`` (``{"role", "content", "name"}``), ``tools`` (OpenAI function entries, on
+  reset), ``task_id``, ``is_error`` (the tool refused), plus openenv-core's ``reward``/``done``/``metadata``;
+- ``HubState``: ``episode_id``, ``step_count``, ``env_name``, ``task_id``, ``done``, ``reward``.
 
-Messages are ``{"role", "content", "name"}``; tools are OpenAI-style function entries.
-Errors: 400 for bad input (``InvalidArgument``), 409 for a step out of order
-(``FailedPrecondition``), with ``{"error": message, "code": status name}``.
+Errors keep the hub's vocabulary: an unknown task or bad argument -> 400, a step before reset or after the end
+-> 409 (``{"error": message, "code": status name}``); a malformed action -> openenv-core's 422.
 
-Invariant: one server serves one environment instance (OpenEnv's one-episode-per-server
-model); requests are serialised by a lock, so state is never read mid-step.
+Using a remote one: ``OpenEnvClient(url)`` is a hub ``Environment`` over openenv-core's ``EnvClient`` (``/ws``),
+so the tool loop can drive any OpenEnv server (the URL is the operator's, not the model's: no SSRF guard).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-import httpx
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from openenv.core.client_types import StepResult as OpenEnvStep
+from openenv.core.env_client import EnvClient
+from openenv.core.env_server.http_server import create_app as openenv_create_app
+from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
+from openenv.core.env_server.types import Action as OpenEnvAction
+from openenv.core.env_server.types import Observation as OpenEnvObservation
+from openenv.core.env_server.types import State as OpenEnvState
+from pydantic import Field
 
 from engines.errors import FailedPrecondition, InvalidArgument, PrimeRLError, ToolError
 from engines.types import Message
 from envhub.base import Environment
 from envhub.types import JSON, Action, EnvState, FinalAnswer, ResetResult, StepResult, ToolCall, ToolSpec
 
-_MESSAGE_SCHEMA = {
-    "type": "object",
-    "properties": {"role": {"type": "string"}, "content": {"type": "string"}, "name": {"type": "string"}},
-    "required": ["role", "content"],
-}
+T = TypeVar("T")
+_CLOSING: set[asyncio.Task[None]] = set()  # closes scheduled on the server loop (held until done)
+MAX_SESSIONS = 64
+_HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "RESOURCE_EXHAUSTED": 429}
+
+
+class HubAction(OpenEnvAction):
+    """A tool call or the final answer."""
+
+    tool: str | None = Field(default=None, description="name of the tool to call (one of the reset's tools)")
+    arguments: dict[str, Any] = Field(default_factory=dict, description="the tool's arguments (its JSON schema)")
+    answer: str | None = Field(default=None, description="the final answer; ends the episode")
+
+    def to_hub(self) -> Action:
+        # Checked here, not by a pydantic validator: openenv-core cannot serialise a validator's ValueError (a 500).
+        if (self.tool is None) == (self.answer is None):
+            raise InvalidArgument('an action is {"tool": name, "arguments": {...}} or {"answer": text}, exactly one')
+        return FinalAnswer(self.answer) if self.answer is not None else ToolCall(str(self.tool), self.arguments)
+
+    @classmethod
+    def of(cls, action: Action) -> HubAction:
+        if isinstance(action, FinalAnswer):
+            return cls(answer=action.text)
+        return cls(tool=action.name, arguments=dict(action.arguments))
+
+
+class HubObservation(OpenEnvObservation):
+    """Chat messages for the model (the tools and the task on reset)."""
+
+    messages: list[dict[str, str]] = Field(default_factory=list, description="role, content, name")
+    tools: list[dict[str, Any]] = Field(default_factory=list, description="OpenAI function entries (on reset)")
+    task_id: str = Field(default="", description="the task of this episode")
+    is_error: bool = Field(default=False, description="the tool refused or failed")
+
+
+class HubState(OpenEnvState):
+    env_name: str = ""
+    task_id: str = ""
+    done: bool = False
+    reward: float = 0.0
 
 
 def action_schema(tools: tuple[ToolSpec, ...]) -> dict[str, JSON]:
+    """The JSON schema of the actions one environment accepts (a call of each tool, or the answer)."""
     calls = [
         {
             "type": "object",
@@ -60,205 +100,148 @@ def _messages_json(messages: tuple[Message, ...]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content, "name": m.name} for m in messages]
 
 
-def _state_json(state: EnvState) -> dict[str, JSON]:
-    return {
-        "episode_id": state.episode_id,
-        "step_count": state.step_count,
-        "env_name": state.env_name,
-        "task_id": state.task_id,
-        "done": state.done,
-        "reward": state.reward,
-    }
+def _messages(items: list[dict[str, str]]) -> tuple[Message, ...]:
+    return tuple(Message(role=m["role"], content=m["content"], name=m.get("name", "")) for m in items)
 
 
-def parse_action(body: Mapping[str, JSON]) -> Action:
-    action = body.get("action")
-    if not isinstance(action, dict):
-        raise InvalidArgument('body must be {"action": {...}}')
-    if isinstance(action.get("answer"), str):
-        return FinalAnswer(action["answer"])
-    name, args = action.get("tool"), action.get("arguments", {})
-    if not isinstance(name, str) or not isinstance(args, dict):
-        raise InvalidArgument('action must be {"tool": name, "arguments": {...}} or {"answer": text}')
-    return ToolCall(name=name, arguments=args)
+def _coded(e: PrimeRLError) -> PrimeRLError:
+    """The same error with its status name in the message: openenv-core's ``/ws`` sends the message only."""
+    out = PrimeRLError(f"{e.code}: {e}")
+    out.code = e.code
+    return out
 
 
-_STATE_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "episode_id": {"type": "string"},
-        "step_count": {"type": "integer"},
-        "env_name": {"type": "string"},
-        "task_id": {"type": "string"},
-        "done": {"type": "boolean"},
-        "reward": {"type": "number"},
-    },
-}
-_OBSERVATION_SCHEMA = {
-    "type": "object",
-    "properties": {"messages": {"type": "array", "items": _MESSAGE_SCHEMA}, "tools": {"type": "array"}},
-    "required": ["messages"],
-}
+async def _hub_call(op: Awaitable[T]) -> T:
+    try:
+        return await op
+    except PrimeRLError as e:
+        raise _coded(e) from e
 
 
-class _Session:
-    """The served environment instance: requests are serialised by one lock (one episode per server)."""
+class HubEnvironment(OpenEnvEnvironment[HubAction, HubObservation, HubState]):
+    """One hub environment as an openenv-core environment (one instance per session)."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
 
     def __init__(self, env: Environment) -> None:
+        super().__init__()
         self.env = env
-        self.lock = asyncio.Lock()
 
-    async def reset(self, body: Mapping[str, JSON]) -> dict[str, JSON]:
-        seed, task_id = body.get("seed"), body.get("task_id")
-        if seed is not None and not isinstance(seed, int):
-            raise InvalidArgument("seed must be an integer")
-        if task_id is not None and not isinstance(task_id, str):
-            raise InvalidArgument("task_id must be a string")
-        async with self.lock:
-            res = await self.env.reset(task_id=task_id, seed=seed)
-        obs = {
-            "messages": _messages_json(res.messages),
-            "tools": [t.to_openai() for t in res.tools],
-            "task_id": res.task_id,
-        }
-        return {"observation": obs, "reward": None, "done": False}
+    async def reset_async(
+        self, seed: int | None = None, episode_id: str | None = None, task_id: str | None = None, **_: Any
+    ) -> HubObservation:
+        res = await _hub_call(self.env.reset(task_id=task_id, seed=seed))
+        tools = [t.to_openai() for t in res.tools]
+        return HubObservation(messages=_messages_json(res.messages), tools=tools, task_id=res.task_id)
 
-    async def step(self, body: Mapping[str, JSON]) -> dict[str, JSON]:
-        action = parse_action(body)
-        async with self.lock:
-            res = await self.env.step(action)
-        obs: dict[str, JSON] = {"messages": _messages_json(res.observation)}
-        if res.tool_result is not None:
-            obs["is_error"] = res.tool_result.is_error
-        return {"observation": obs, "reward": res.reward, "done": res.done}
+    async def step_async(self, action: HubAction, timeout_s: float | None = None, **_: Any) -> HubObservation:
+        res = await _hub_call(self._step(action))
+        is_error = res.tool_result is not None and res.tool_result.is_error
+        return HubObservation(
+            messages=_messages_json(res.observation), is_error=is_error, reward=res.reward, done=res.done
+        )
 
-    def state(self) -> dict[str, JSON]:
-        return _state_json(self.env.state())
+    async def _step(self, action: HubAction) -> StepResult:
+        return await self.env.step(action.to_hub())
 
-    def schema(self) -> dict[str, JSON]:
-        return {"action": action_schema(self.env.tools()), "observation": _OBSERVATION_SCHEMA, "state": _STATE_SCHEMA}
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> HubObservation:
+        return asyncio.run(self.reset_async(seed, episode_id, **kwargs))
 
+    def step(self, action: HubAction, timeout_s: float | None = None, **kwargs: Any) -> HubObservation:
+        return asyncio.run(self.step_async(action, timeout_s, **kwargs))
 
-async def _body_of(request: Request) -> dict[str, JSON]:
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8/16/32
-        raise InvalidArgument(f"body is not JSON: {getattr(e, 'msg', e)}") from e
-    if not isinstance(value, dict):
-        raise InvalidArgument("body must be a JSON object")
-    return value
+    @property
+    def state(self) -> HubState:
+        s = self.env.state()
+        return HubState(
+            episode_id=s.episode_id, step_count=s.step_count, env_name=s.env_name, task_id=s.task_id,
+            done=s.done, reward=s.reward,
+        )  # fmt: skip
 
-
-def _post(path: str, handler: Callable[[Mapping[str, JSON]], Awaitable[dict[str, JSON]]]) -> Route:
-    """A POST endpoint: JSON body in, JSON out; 400 for bad input, 409 for a call out of order."""
-
-    async def endpoint(request: Request) -> JSONResponse:
+    def close(self) -> None:
+        """openenv-core closes from its executor (no loop: run it) or on the server's loop (schedule it there)."""
         try:
-            return JSONResponse(await handler(await _body_of(request)))
-        except PrimeRLError as e:
-            status = 409 if isinstance(e, FailedPrecondition) else 400 if isinstance(e, InvalidArgument) else 500
-            return JSONResponse({"error": e.message, "code": e.code}, status_code=status)
-
-    return Route(path, endpoint, methods=["POST"])
-
-
-def _get(path: str, view: Callable[[], dict[str, JSON]]) -> Route:
-    async def endpoint(_: Request) -> JSONResponse:
-        return JSONResponse(view())
-
-    return Route(path, endpoint, methods=["GET"])
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(self.env.close())
+            return
+        task = loop.create_task(self.env.close(), name="envhub-openenv-close")
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
 
 
-def create_app(env: Environment) -> Starlette:
-    """An ASGI app serving ``env`` with the OpenEnv HTTP API."""
-    session = _Session(env)
-    return Starlette(
-        routes=[
-            _post("/reset", session.reset),
-            _post("/step", session.step),
-            _get("/state", session.state),
-            _get("/health", lambda: {"status": "healthy"}),
-            _get("/schema", session.schema),
-        ]
+def create_app(factory: Callable[[], Environment], name: str = "envhub") -> FastAPI:
+    """openenv-core's app serving ``factory()``'s environment, one instance per session."""
+    app = openenv_create_app(
+        lambda: HubEnvironment(factory()), HubAction, HubObservation, env_name=name, max_concurrent_envs=MAX_SESSIONS
     )
+
+    async def hub_error(_: Request, exc: Exception) -> JSONResponse:
+        code = exc.code if isinstance(exc, PrimeRLError) else "INTERNAL"
+        return JSONResponse({"error": str(exc), "code": code}, status_code=_HTTP_STATUS.get(code, 503))
+
+    app.add_exception_handler(PrimeRLError, hub_error)
+    return app
+
+
+class _Wire(EnvClient[HubAction, HubObservation, HubState]):
+    def _step_payload(self, action: HubAction) -> dict[str, Any]:
+        return action.model_dump(exclude_none=True)
+
+    def _parse_result(self, payload: dict[str, Any]) -> OpenEnvStep[HubObservation]:
+        obs = HubObservation(**payload.get("observation", {}), reward=payload.get("reward"), done=payload["done"])
+        return OpenEnvStep(observation=obs, reward=payload.get("reward"), done=bool(payload.get("done")))
+
+    def _parse_state(self, payload: dict[str, Any]) -> HubState:
+        return HubState(**payload)
 
 
 class OpenEnvClient:
-    """An ``Environment`` backed by a remote OpenEnv HTTP server.
-
-    The URL is configured by the operator (not chosen by a model), so it is not SSRF-guarded.
-    """
+    """A hub ``Environment`` backed by a remote OpenEnv server, over openenv-core's client (``/ws``)."""
 
     def __init__(self, base_url: str, timeout_s: float = 30.0, name: str = "") -> None:
         self.base_url = base_url.rstrip("/")
         self.name = name or f"openenv:{self.base_url}"
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False)
+        self._wire = _Wire(self.base_url, message_timeout_s=timeout_s)
         self._tools: tuple[ToolSpec, ...] = ()
         self._last = EnvState(self.name, "", "", 0, False, 0.0)
 
-    async def _call(self, method: str, path: str, body: Mapping[str, JSON] | None = None) -> Any:
+    async def _call(self, what: str, op: Callable[[], Any]) -> Any:
         try:
-            resp = await self._client.request(method, path, json=body)
-        except httpx.HTTPError as e:
+            return await op()
+        except (OSError, ConnectionError, TimeoutError) as e:
             raise ToolError(f"OpenEnv server {self.base_url} unreachable: {e}", kind="unavailable") from e
-        data = resp.json() if resp.content else {}
-        if resp.status_code == 409:
-            raise FailedPrecondition(str(data.get("error", resp.text)))
-        if resp.status_code == 400:
-            raise InvalidArgument(str(data.get("error", resp.text)))
-        if resp.status_code >= 400:
-            raise ToolError(f"OpenEnv {path} answered HTTP {resp.status_code}: {resp.text[:200]}", kind="unavailable")
-        return data
+        except RuntimeError as e:  # openenv-core's client raises the server's error message as RuntimeError
+            text = str(e)
+            if "FAILED_PRECONDITION:" in text:
+                raise FailedPrecondition(f"OpenEnv {what}: {text}") from e
+            if "INVALID_ARGUMENT:" in text or "VALIDATION_ERROR" in text:
+                raise InvalidArgument(f"OpenEnv {what}: {text}") from e
+            raise ToolError(f"OpenEnv {what} failed: {text}", kind="unavailable") from e
 
     def tools(self) -> tuple[ToolSpec, ...]:
         return self._tools
 
-    async def health(self) -> bool:
-        data = await self._call("GET", "/health")
-        return bool(data.get("status") == "healthy")
-
     async def reset(self, task_id: str | None = None, seed: int | None = None) -> ResetResult:
-        body: dict[str, JSON] = {}
-        if task_id is not None:
-            body["task_id"] = task_id
-        if seed is not None:
-            body["seed"] = seed
-        data = await self._call("POST", "/reset", body)
-        obs = data.get("observation", {})
+        kwargs: dict[str, Any] = {} if task_id is None else {"task_id": task_id}
+        result = await self._call("reset", lambda: self._wire.reset(seed=seed, **kwargs))
+        obs: HubObservation = result.observation
         self._tools = tuple(
             ToolSpec(f["function"]["name"], f["function"].get("description", ""), f["function"].get("parameters", {}))
-            for f in obs.get("tools", [])
+            for f in obs.tools
         )
         await self.refresh_state()
-        return ResetResult(_messages(obs.get("messages", [])), self._tools, str(obs.get("task_id", "")))
+        return ResetResult(_messages(obs.messages), self._tools, obs.task_id)
 
     async def step(self, action: Action) -> StepResult:
-        if isinstance(action, FinalAnswer):
-            payload: dict[str, JSON] = {"answer": action.text}
-        else:
-            payload = {"tool": action.name, "arguments": dict(action.arguments)}
-        data = await self._call("POST", "/step", {"action": payload})
+        result = await self._call("step", lambda: self._wire.step(HubAction.of(action)))
         await self.refresh_state()
-        reward = data.get("reward")
-        return StepResult(
-            observation=_messages(data.get("observation", {}).get("messages", [])),
-            reward=float(reward) if reward is not None else 0.0,
-            done=bool(data.get("done", False)),
-        )
+        reward = result.reward
+        return StepResult(_messages(result.observation.messages), float(reward or 0.0), bool(result.done))
 
     async def refresh_state(self) -> EnvState:
-        d = await self._call("GET", "/state")
-        self._last = EnvState(
-            env_name=str(d.get("env_name", self.name)),
-            episode_id=str(d.get("episode_id", "")),
-            task_id=str(d.get("task_id", "")),
-            step_count=int(d.get("step_count", 0)),
-            done=bool(d.get("done", False)),
-            reward=float(d.get("reward") or 0.0),
-        )
+        s: HubState = await self._call("state", self._wire.state)
+        self._last = EnvState(s.env_name or self.name, s.episode_id or "", s.task_id, s.step_count, s.done, s.reward)
         return self._last
 
     def state(self) -> EnvState:
@@ -266,15 +249,11 @@ class OpenEnvClient:
         return self._last
 
     async def close(self) -> None:
-        await self._client.aclose()
-
-
-def _messages(items: list[Mapping[str, str]]) -> tuple[Message, ...]:
-    return tuple(Message(role=m["role"], content=m["content"], name=m.get("name", "")) for m in items)
+        await self._wire.close()
 
 
 def main() -> None:
-    """``python -m envhub.openenv ENV_NAME [--host H] [--port P]``: serve a hub env over OpenEnv HTTP."""
+    """``python -m envhub.openenv ENV_NAME [--host H] [--port P]``: serve a hub env over openenv-core."""
     import argparse
 
     import uvicorn
@@ -286,7 +265,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
-    uvicorn.run(create_app(make_env(args.env)), host=args.host, port=args.port)
+    uvicorn.run(create_app(lambda: make_env(args.env), args.env), host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""OpenEnv HTTP facade and client over a real HTTP server (acceptance point 6)."""
+"""The Env Hub on openenv-core: its server (HTTP, /ws, openenv validate --url) and the tool-loop client."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,16 +20,19 @@ from envhub.connectors.sql import SqliteReadOnly
 from envhub.envs._data import BUNDLED_DB, load_tasks
 from envhub.envs.sql_qa import SqlQaEnv
 from envhub.loop import ToolLoop
-from envhub.openenv import OpenEnvClient, create_app
+from envhub.openenv import HubAction, OpenEnvClient, _Wire, create_app
 from envhub.types import FinalAnswer, ToolCall
 
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[str]:
-    """A real uvicorn server on a free port serving the sql-qa environment; yields its base URL."""
+    """A real uvicorn server on a free port: openenv-core's app serving sql-qa (one env per session)."""
     shutil.copy(BUNDLED_DB, tmp_path / "db.sqlite")
-    env = SqlQaEnv(SqliteReadOnly(tmp_path / "db.sqlite", SqlConfig()), load_tasks("sql_qa"))
-    config = uvicorn.Config(create_app(env), host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws="none")
+
+    def factory() -> SqlQaEnv:
+        return SqlQaEnv(SqliteReadOnly(tmp_path / "db.sqlite", SqlConfig()), load_tasks("sql_qa"))
+
+    config = uvicorn.Config(create_app(factory, "sql-qa"), host="127.0.0.1", port=0, log_level="warning")
     srv = uvicorn.Server(config)
     task = asyncio.create_task(srv.serve(), name="openenv-test-server")
     async with asyncio.timeout(10):
@@ -38,52 +44,62 @@ async def server(tmp_path: Path) -> AsyncIterator[str]:
     finally:
         srv.should_exit = True
         await asyncio.wait_for(task, timeout=10)
-        await env.close()
 
 
-async def test_raw_http_round_trip(server: str) -> None:
+async def test_http_surface_and_errors(server: str) -> None:
     async with httpx.AsyncClient(base_url=server, trust_env=False) as http:
-        assert (await http.get("/health")).json() == {"status": "healthy"}
+        assert (await http.get("/health")).json()["status"] == "healthy"
         schema = (await http.get("/schema")).json()
-        assert set(schema) == {"action", "observation", "state"}
-        assert schema["action"]["anyOf"][0]["properties"]["tool"] == {"const": "sql_query"}
-
-        r = (await http.post("/reset", json={"task_id": "sql-1"})).json()
-        assert r["done"] is False and r["reward"] is None
-        assert r["observation"]["task_id"] == "sql-1"
+        assert {"tool", "arguments", "answer"} <= set(schema["action"]["properties"])
+        r = (await http.post("/reset", json={"task_id": "sql-1"})).json()  # stateless: a fresh env per request
+        assert r["done"] is False and r["observation"]["task_id"] == "sql-1"
         assert r["observation"]["messages"][-1] == {
             "role": "user",
             "content": "How many employees work in the Research department?",
             "name": "",
         }
         assert r["observation"]["tools"][0]["function"]["name"] == "sql_query"
-        state = (await http.get("/state")).json()
-        assert state["step_count"] == 0 and state["env_name"] == "sql-qa" and state["episode_id"]
+        unknown = await http.post("/reset", json={"task_id": "missing"})
+        assert unknown.status_code == 400 and unknown.json()["code"] == "INVALID_ARGUMENT"
+        early = await http.post("/step", json={"action": {"answer": "3"}})
+        assert early.status_code == 409 and early.json()["code"] == "FAILED_PRECONDITION"
+        both = await http.post("/step", json={"action": {"answer": "3", "tool": "sql_query"}})
+        assert both.status_code == 400 and "exactly one" in both.json()["error"]
 
+
+async def test_ws_session_round_trip(server: str) -> None:
+    """One stateful session over /ws with openenv-core's own client (the wire types of this module)."""
+    async with _Wire(server) as wire:
+        r = await wire.reset(task_id="sql-1")
+        assert r.observation.task_id == "sql-1" and not r.done
         query = (
             "SELECT count(*) FROM employees e JOIN departments d ON d.id = e.department_id WHERE d.name = 'Research'"
         )
-        r = (await http.post("/step", json={"action": {"tool": "sql_query", "arguments": {"query": query}}})).json()
-        assert r["done"] is False and r["observation"]["messages"][0]["content"].splitlines()[1] == "3"
-        r = await http.post("/step", json={"action": {"tool": "sql_query", "arguments": {"query": "DROP TABLE x"}}})
-        assert r.status_code == 200 and r.json()["observation"]["is_error"] is True
-        assert (await http.get("/state")).json()["step_count"] == 2
+        r = await wire.step(HubAction(tool="sql_query", arguments={"query": query}))
+        assert not r.done and r.observation.messages[0]["content"].splitlines()[1] == "3"
+        r = await wire.step(HubAction(tool="sql_query", arguments={"query": "DROP TABLE x"}))
+        assert r.observation.is_error is True and (await wire.state()).step_count == 2
+        r = await wire.step(HubAction(answer="<answer>3</answer>"))
+        assert r.done and r.reward == 1.0
+        state = await wire.state()
+        assert state.done and state.reward == 1.0 and state.env_name == "sql-qa"
+        with pytest.raises(RuntimeError, match="FAILED_PRECONDITION"):
+            await wire.step(HubAction(answer="3"))
 
-        r = (await http.post("/step", json={"action": {"answer": "<answer>3</answer>"}})).json()
-        assert r == {"observation": {"messages": []}, "reward": 1.0, "done": True}
-        state = (await http.get("/state")).json()
-        assert state["done"] is True and state["reward"] == 1.0
 
-        again = await http.post("/step", json={"action": {"answer": "3"}})
-        assert again.status_code == 409 and again.json()["code"] == "FAILED_PRECONDITION"
-        bad = await http.post("/step", json={"nope": 1})
-        assert bad.status_code == 400 and bad.json()["code"] == "INVALID_ARGUMENT"
-        assert (await http.post("/reset", json={"task_id": "missing"})).status_code == 400
+async def test_openenv_validate_url_passes(server: str) -> None:
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [str(Path(sys.executable).parent / "openenv"), "validate", "--url", server],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["passed"] is True and not report["summary"]["failed_criteria"], report["summary"]
 
 
 async def test_openenv_client_connector_drives_the_tool_loop(server: str) -> None:
     env = OpenEnvClient(server)
-    assert await env.health()
     opening = await env.reset(task_id="sql-2")
     assert [t.name for t in env.tools()] == ["sql_query"] and opening.task_id == "sql-2"
     loop = ToolLoop(env)

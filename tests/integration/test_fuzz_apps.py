@@ -3,9 +3,9 @@
 Each app runs on a real uvicorn server on a free port, on a thread of its own (schemathesis' client is
 synchronous), and is fuzzed through an OpenAPI document (examples, coverage and fuzzing phases):
 
-- the Env Hub's OpenEnv app (``envhub.openenv.create_app``) serving ``sql-qa`` and ``code-math``: it serves no
-  OpenAPI document, so one is written here from its documented wire format, with the action schema it serves at
-  ``GET /schema`` (pinned by ``test_the_hub_schema_is_the_served_one``);
+- the Env Hub's OpenEnv app (``envhub.openenv.create_app``, openenv-core's server) serving ``sql-qa`` and
+  ``code-math``: its own ``/openapi.json`` (over HTTP, ``/step`` is stateless as openenv-core defines it, so a
+  step meets a fresh environment: the 409 path; the tools are reached over ``/ws`` in test_envhub_openenv.py);
 - LLMServeEnv (openenv-core's FastAPI app plus /tasks, /grader, /baseline): its own ``/openapi.json``;
 - the verifier (``primerl verifier serve``, SQLite log): no OpenAPI document either; written here from its
   documented routes with the request bodies' JSON schemas taken from the pydantic models the app validates with.
@@ -109,46 +109,34 @@ def _send(case: Any, url: str, app: str, checks: list[Any]) -> None:
 # -- the Env Hub's OpenEnv app ---------------------------------------------------------------------
 
 
-def hub_openapi(action_schema: dict[str, Any]) -> dict[str, Any]:
-    reset = {"type": "object", "properties": {"seed": {"type": "integer"}, "task_id": {"type": "string"}}}
-    step = {"type": "object", "properties": {"action": action_schema}, "required": ["action"]}
-    get = _op()
-    return _doc(
-        {
-            "/reset": {"post": _op(reset, required=False)},
-            "/step": {"post": _op(step)},
-            "/state": {"get": get},
-            "/health": {"get": get},
-            "/schema": {"get": get},
-        }
-    )
-
-
-def _hub_action_schema(name: str) -> dict[str, Any]:
-    from envhub.openenv import action_schema
-    from envhub.registry import make_env
-
-    return action_schema(make_env(name).tools())
-
-
 @schemathesis.check
 def hub_error_json(ctx: Any, response: Any, case: Any) -> None:
-    """The hub app's documented errors: 400 bad input, 409 out of order, as ``{"error", "code"}``."""
-    if response.status_code in (400, 409):
+    """Errors are JSON: the hub's own (400 bad input, 409 out of order) as ``{"error", "code"}``, and what
+    openenv-core/FastAPI reject before the environment sees it (an unparsable body, a type error) as ``{"detail"}``."""
+    if response.status_code >= 400:
         body = response.json()
-        assert set(body) == {"error", "code"} and isinstance(body["error"], str) and body["error"], body
+        if "detail" in body:
+            assert set(body) == {"detail"} and body["detail"], body
+        else:
+            assert set(body) == {"error", "code"} and isinstance(body["error"], str) and body["error"], body
 
 
-def _serve_hub(name: str) -> Iterator[Served]:
+def _hub_app(name: str) -> Any:
     from envhub.openenv import create_app
     from envhub.registry import make_env
 
-    env = make_env(name)
-    served = Served(create_app(env))
+    return create_app(lambda: make_env(name), name)
+
+
+HUB_DOC = _hub_app("sql-qa").openapi()  # openenv-core's document; the same routes and types for every hub env
+HUB = schemathesis.openapi.from_dict(HUB_DOC)
+
+
+def _serve_hub(name: str) -> Iterator[Served]:
+    served = Served(_hub_app(name))
     yield served
     _assert_alive(served.url + "/health")
     served.close()
-    asyncio.run(env.close())
 
 
 @pytest.fixture(scope="module")
@@ -165,31 +153,21 @@ def _assert_alive(url: str) -> None:
     assert httpx.get(url, timeout=10).status_code == 200, "the app no longer answers its health route"
 
 
-SQL_HUB = schemathesis.openapi.from_dict(hub_openapi(_hub_action_schema("sql-qa")))
-CODE_HUB = schemathesis.openapi.from_dict(hub_openapi(_hub_action_schema("code-math")))
+def test_the_hub_schema_is_the_served_one(sql_hub: Served, code_hub: Served) -> None:
+    for served in (sql_hub, code_hub):
+        assert httpx.get(served.url + "/openapi.json", timeout=10).json() == HUB_DOC
 
 
-def test_the_hub_schemas_are_the_served_ones(sql_hub: Served, code_hub: Served) -> None:
-    for name, served in (("sql-qa", sql_hub), ("code-math", code_hub)):
-        assert httpx.get(served.url + "/schema", timeout=10).json()["action"] == _hub_action_schema(name)
-
-
-def _hub_case(case: Any, served: Served, name: str) -> None:
-    if case.path == "/step":  # reach the environment's tools: an episode is open before each fuzzed action
-        httpx.post(served.url + "/reset", json={}, timeout=30).raise_for_status()
-    _send(case, served.url, f"envhub openenv ({name})", [not_a_server_error, hub_error_json])
-
-
-@SQL_HUB.parametrize()
+@HUB.parametrize()
 @SETTINGS
 def test_hub_sql_qa_no_server_error(case: Any, sql_hub: Served) -> None:
-    _hub_case(case, sql_hub, "sql-qa")
+    _send(case, sql_hub.url, "envhub openenv (sql-qa)", [not_a_server_error, hub_error_json])
 
 
-@CODE_HUB.parametrize()
+@HUB.parametrize()
 @SETTINGS
 def test_hub_code_math_no_server_error(case: Any, code_hub: Served) -> None:
-    _hub_case(case, code_hub, "code-math")
+    _send(case, code_hub.url, "envhub openenv (code-math)", [not_a_server_error, hub_error_json])
 
 
 # -- LLMServeEnv ---------------------------------------------------------------------------------------
