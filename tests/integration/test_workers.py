@@ -74,7 +74,7 @@ async def _front(target: str, forwarder: Forwarder) -> tuple[grpc.aio.Server, in
         else:
 
             async def unary(request: bytes, context: Any, path: str = path) -> bytes:
-                return await forwarder.unary(target, path, request, context)
+                return await forwarder.unary(target, path, request, context, metadata=(("primerl-hop", "1"),))
 
             handlers[name] = grpc.unary_unary_rpc_method_handler(unary, response_serializer=passthrough(None))
     server = grpc.aio.server()
@@ -379,3 +379,54 @@ async def test_each_worker_serves_its_metrics_and_worker_0_the_http_front_door(w
             assert sum(steps) >= 2, page[:2000]
         models = await http.get(f"http://127.0.0.1:{workers.http_port}/v1/models")
         assert models.status_code == 200 and models.json()["data"][0]["id"]
+
+
+async def test_forwarding_passes_the_callers_token(start_bridge: StartBridge) -> None:
+    from server.auth import hash_token
+
+    owner, _ = await start_bridge(auth={"token_hashes": [f"alice:{hash_token('a-token')}", f"bob:{hash_token('b')}"]})
+    forwarder = Forwarder()
+    front, port = await _front(f"127.0.0.1:{owner.port}", forwarder)
+    alice = (("authorization", "Bearer a-token"),)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub: pb_grpc.PrimeRLAsyncStub = pb_grpc.PrimeRLStub(channel)
+            start = pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT), sampling=SAMPLING)
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # no token: the owner refuses, as it would directly
+                await stub.StartEpisode(start)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            ep = (await stub.StartEpisode(start, metadata=alice)).episode_ids[0]
+            bob = (("authorization", "Bearer b"),)
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # the owner sees bob's token, not the front's
+                await _drain(stub.Step(pb.StepRequest(episode_id=ep), metadata=bob))
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert len(await _drain(stub.Step(pb.StepRequest(episode_id=ep), metadata=alice))) == 1
+    finally:
+        await front.stop(0)
+        await forwarder.close()
+
+
+async def test_the_owner_gets_the_callers_deadline_and_metadata() -> None:
+    async def echo(request: bytes, context: Any) -> bytes:
+        md = dict(context.invocation_metadata())
+        seen = f"{context.time_remaining():.3f}|{md.get('x-request-id')}|{md.get('primerl-hop')}"
+        return pb.ServerInfo(server_version=seen).SerializeToString()
+
+    owner = grpc.aio.server()
+    owner.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(SERVICE, {"GetServerInfo": grpc.unary_unary_rpc_method_handler(echo)})]
+    )
+    owner_port = owner.add_insecure_port("127.0.0.1:0")
+    await owner.start()
+    forwarder = Forwarder()
+    front, port = await _front(f"127.0.0.1:{owner_port}", forwarder)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub: pb_grpc.PrimeRLAsyncStub = pb_grpc.PrimeRLStub(channel)
+            info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=20, metadata=(("x-request-id", "r-1"),))
+        remaining, request_id, hop = info.server_version.split("|")
+        assert 10 < float(remaining) <= 20 and request_id == "r-1" and hop == "1"
+    finally:
+        await front.stop(0)
+        await owner.stop(0)
+        await forwarder.close()
