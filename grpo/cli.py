@@ -217,8 +217,11 @@ def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def run_command(command: str, argv: list[str]) -> int:
     """``primerl rl | trainer | orchestrator`` with layered config; exits 2 on a bad config."""
+    import signal
+
     from engines.layered_config import run_cli
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind like Ctrl-C: the bridge child is stopped
     try:
         cfg = run_cli(RLConfig, argv, prog=f"primerl {command}", description=__doc__)
     except SystemExit as exc:
