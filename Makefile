@@ -60,10 +60,11 @@ dev-loop: setup
 
 # The main job on the embedded SmolLM2: first one 3-turn chat episode through a bridge, printed turn by turn
 # (token ids, text, logprobs; examples/demo.py, ~20 s), then GRPO training through the bridge with a per-step
-# table and a reward-curve PNG, bounded by --max-minutes (examples/grpo_train.py).
+# log line, metrics.jsonl and a reward-curve PNG, bounded by max_minutes (primerl rl @ examples/grpo.toml; --bench
+# records its timings in bench/RESULTS.md as examples/grpo_train.py did).
 run: setup
 	$(PY) examples/demo.py
-	$(PY) examples/grpo_train.py
+	$(PY) -m server rl @ examples/grpo.toml --bench
 
 demo-chat: setup
 	$(PY) examples/demo.py
