@@ -34,7 +34,7 @@ def config(name: str, args: argparse.Namespace, out: Path) -> RLConfig:
             "rollout": {
                 "group_size": args.group_size,
                 "temperature": 0.8,
-                "turn_max_tokens": [24, 6],
+                "turn_max_tokens": [32, 8],
                 "max_concurrent": args.group_size,
             },
             "trainer": {"lr": args.lr, "temperature": 0.8},
@@ -76,9 +76,9 @@ def train(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", default=["grpo", "ppo", "reinforce"])
     parser.add_argument("--out", default="bench/out/algorithms")

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def target() -> Iterator[str]:
     with bridge_process("embedded") as t:
         yield t
@@ -82,7 +82,8 @@ def test_quick_start_ppo_trains_with_a_progress_bar(
 
 
 STEPS = 4  # trained steps; the last two are compared with the same batches sampled by the untrained model
-ROLLOUT = {"group_size": 4, "temperature": 0.8, "turn_max_tokens": [24, 6], "max_concurrent": 4}
+# make run's rollouts (groups of 8, the 32-token call turn fits a whole calculator call)
+ROLLOUT = {"group_size": 8, "temperature": 0.8, "turn_max_tokens": [32, 8], "max_concurrent": 8}
 
 
 def config(name: str, out: Path) -> Any:
@@ -95,7 +96,7 @@ def config(name: str, out: Path) -> Any:
             "out_dir": str(out),
             "normalize_advantages": name != "grpo",
             "rollout": ROLLOUT,
-            "trainer": {"lr": 5e-5, "temperature": 0.8},
+            "trainer": {"lr": 3e-5, "temperature": 0.8},
         }
     )
 
