@@ -56,9 +56,9 @@ def compose_config(*args: str, env: dict[str, str] | None = None) -> dict[str, A
 def test_compose_file_parses_with_compose_v2_and_has_the_documented_services() -> None:
     config = compose_config()
     services = config["services"]
-    assert set(services) == {"redis", "primerl", "verifier", "prometheus", "grafana"}  # engine: the vllm profile
+    assert set(services) == {"redis", "primerl", "control", "verifier", "prometheus", "grafana"}  # engine: vllm profile
     with_vllm = compose_config("--profile", "vllm")["services"]
-    assert set(with_vllm) == {"redis", "engine", "primerl", "verifier", "prometheus", "grafana"}
+    assert set(with_vllm) == {"redis", "engine", "primerl", "control", "verifier", "prometheus", "grafana"}
     assert with_vllm["engine"]["build"]["target"] == "engine-vllm"
 
     bridge = services["primerl"]
@@ -303,7 +303,11 @@ def bridge_environment(docs: list[dict[str, Any]], files: Path, secrets: dict[st
         mounted[mount["mountPath"]] = local
     env = {}
     for e in container["env"]:
-        if "valueFrom" in e:
+        if "fieldRef" in e.get("valueFrom", {}):  # the downward API: the pod's own name and IP
+            value = {"status.podIP": "10.0.0.7", "metadata.name": "primerl-bridge-0"}[
+                e["valueFrom"]["fieldRef"]["fieldPath"]
+            ]
+        elif "valueFrom" in e:
             ref = e["valueFrom"]["secretKeyRef"]
             value = data[ref["name"]][ref["key"]]
         else:
