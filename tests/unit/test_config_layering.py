@@ -221,7 +221,7 @@ def test_serve_dry_run_keeps_config_and_short_flags_and_takes_every_layer(tmp_pa
 # no rule names fails the test below, so a new one must be placed here.
 SCHEMAS: list[tuple[str, type[BaseModel]]] = [
     ("examples/bridge", Settings),  # primerl serve
-    ("examples/grpo", RLConfig),  # primerl rl / trainer / orchestrator
+    ("examples/", RLConfig),  # the other examples (grpo.toml, ppo.toml ...): primerl rl / trainer / orchestrator
 ]
 NOT_CONFIGS = {"pyproject.toml"}  # packaging metadata (the repo's, a deploy image's), no entry point reads it
 
