@@ -99,20 +99,25 @@ class Configurator:
 
     def fill_used(
         self, pi: int, geo: tuple[Placement, ...], remaining: dict[str, float], rank: Ranker | None = None
-    ) -> tuple[Assigned, set[str]]:
+    ) -> tuple[Assigned, dict[str, float]]:
         """``fill`` and the models either ranking picked (the only ones whose unmet demand it read as
-        a winner: see ``Memo``). ``rank(pi, profile, div, opts)``: ``ranked`` against ``remaining``."""
+        a winner: see ``Memo``), each with the most capacity one ranking gave it.
+        ``rank(pi, profile, div, opts)``: ``ranked`` against ``remaining``."""
         groups = self._groups(pi, geo)
         best: Assigned = (0.0, [])
-        used: set[str] = set()
+        used: dict[str, float] = {}
         for dense in (True, False):
             divs = [cost if dense else 1.0 for cost, _, _ in groups]
             if rank is None:
                 lists = [ranked(opts, d, remaining) for (_, _, opts), d in zip(groups, divs, strict=True)]
             else:
                 lists = [rank(pi, pls[0][0], d, opts) for (_, pls, opts), d in zip(groups, divs, strict=True)]
-            val, out, rem = _greedy(groups, divs, lists, remaining)
-            used.update(rem)
+            val, out = _greedy(groups, divs, lists, remaining)
+            took: dict[str, float] = defaultdict(float)
+            for _, o in out:
+                took[o.model] += o.capacity
+            for m, c in took.items():
+                used[m] = max(used.get(m, 0.0), c)
             if val > best[0]:
                 best = (val, out)
         return best, used
@@ -128,7 +133,7 @@ class Configurator:
 
 def _greedy(
     groups: list[Group], divs: list[float], lists: list[list[Cand]], remaining: dict[str, float]
-) -> tuple[float, list[tuple[Placement | None, Option]], dict[str, float]]:
+) -> tuple[float, list[tuple[Placement | None, Option]]]:
     """Fill the slices one at a time with the best (slice, model) pair: the value, the assignment and
     the unmet demand left of the models picked. A pick changes one model's unmet demand, so only the
     groups whose best candidate was that model (and lost value) look for a new one."""
@@ -146,7 +151,7 @@ def _greedy(
                 if k > bk or (k == bk and c < bc):
                     bk, bc, gi = k, c, i
         if gi < 0:
-            return val, out, rem
+            return val, out
         top = tops[gi]
         assert top is not None
         model, g, o, cap = top[2], top[3], top[4], top[6]
@@ -166,15 +171,16 @@ def _greedy(
 class Memo:
     """``fill``/``best_whole`` results during one GPU greedy pass, where unmet demand only falls.
 
-    A result stays exact while the unmet demand of every model it picked is unchanged: every other
-    model's candidates can only score lower than before, and they lost (or tied later in the scan)
-    already, so each greedy step picks the same again. The pass re-scores only configurations
+    A result stays exact while every model it picked keeps its unmet demand, or at least as much as
+    the capacity it was given (then each of its picks still scores ``weight x capacity``): every
+    other model's candidates can only score lower than before, and they lost (or tied later in the
+    scan) already, so each greedy step picks the same again. The pass re-scores only configurations
     that involve a model the last step served, and re-ranks only the candidates of served models."""
 
     def __init__(self, cfg: Configurator, remaining: dict[str, float]) -> None:
         self.cfg = cfg
         self.remaining = remaining
-        self.seen: dict[object, tuple[Assigned, list[tuple[str, float]]]] = {}
+        self.seen: dict[object, tuple[Assigned, list[tuple[str, float, float]]]] = {}
         self.changed: list[str] = []  # models served so far, in order
         self.lists: dict[tuple[int, str, float], tuple[list[Cand], int]] = {}
         self.where: dict[tuple[int, str], dict[str, int]] = {}  # (pool, profile) -> model -> index in its Opts
@@ -207,13 +213,14 @@ class Memo:
         if got is None:
             return None
         rem = self.remaining
-        for m, r in got[1]:
-            if rem[m] != r:
+        for m, r, need in got[1]:
+            now = rem[m]
+            if now != r and now < need:
                 return None
         return got[0]
 
-    def _keep(self, key: object, res: Assigned, used: set[str] | list[str]) -> Assigned:
-        self.seen[key] = (res, [(m, self.remaining[m]) for m in used])
+    def _keep(self, key: object, res: Assigned, used: dict[str, float]) -> Assigned:
+        self.seen[key] = (res, [(m, self.remaining[m], need) for m, need in used.items()])
         return res
 
     def fill(self, key: object, pi: int, geo: tuple[Placement, ...]) -> Assigned:
@@ -226,4 +233,4 @@ class Memo:
         if hit is not None:
             return hit
         res = self.cfg.best_whole(pi, tp, self.remaining)
-        return self._keep(key, res, [o.model for _, o in res[1]])
+        return self._keep(key, res, {o.model: o.capacity for _, o in res[1]})

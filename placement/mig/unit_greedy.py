@@ -124,9 +124,9 @@ def unit_greedy(prob: Problem) -> tuple[list[GpuPlan], list[Replica]]:
     specs = prob.specs
     states = [_PoolState(p) for p in prob.pools]
     remaining = {m: s.demand.tokens_per_s for m, s in specs.items()}
-    by_model: dict[str, list[Option]] = defaultdict(list)
-    for o in prob.choices:
-        by_model[o.model].append(o)
+    by_model: dict[str, list[tuple[Option, float, float, _PoolState]]] = defaultdict(list)
+    for o in prob.choices:  # with its cost and capacity, computed once
+        by_model[o.model].append((o, o.cost(prob.pools[o.pool].gpu), o.capacity, states[o.pool]))
     reps: list[Replica] = []
     while True:
         best: tuple[float, float, Option] | None = None
@@ -134,10 +134,9 @@ def unit_greedy(prob: Problem) -> tuple[list[GpuPlan], list[Replica]]:
             if left <= 1e-9:
                 continue
             w = specs[m].weight
-            for o in by_model[m]:
-                cost = o.cost(prob.pools[o.pool].gpu)
-                score = w * min(left, o.capacity) / cost
-                if (best is None or (score, -cost) > (best[0], -best[1])) and states[o.pool].can(o):
+            for o, cost, cap, state in by_model[m]:
+                score = w * (left if left < cap else cap) / cost
+                if (best is None or (score, -cost) > (best[0], -best[1])) and state.can(o):
                     best = (score, cost, o)
         if best is None:
             break
