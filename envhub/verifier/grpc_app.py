@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,8 +37,8 @@ def trajectory_json(t: pb.Trajectory) -> dict[str, Any]:
     return {
         "episode_id": t.episode_id,
         "token_ids": list(t.token_ids),
-        "logprobs": [None if math.isnan(x) else x for x in t.logprobs],
-        "loss_mask": [int(x) for x in t.loss_mask],
+        "logprobs": [None if x != x else x for x in t.logprobs],  # x != x: NaN
+        "loss_mask": list(map(int, t.loss_mask)),
         "origins": list(t.origins),
         "policy_versions": list(t.policy_versions),
     }
