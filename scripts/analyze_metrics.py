@@ -1,12 +1,12 @@
-"""Summarise a Prometheus scrape of the bridge (``curl -s HOST:9300/metrics > scrape.txt``).
+#!/usr/bin/env python3
+"""Summarise a Prometheus text dump of a bridge's /metrics: tokens per model, latency percentiles.
 
-    python scripts/analyze_metrics.py scrape.txt            # or '-' for stdin, or an http:// URL
-    python scripts/analyze_metrics.py scrape.txt --json     # the same summary as JSON
+    curl -s localhost:9300/metrics > dump.txt
+    python scripts/analyze_metrics.py dump.txt          # or '-' for stdin; --json for machine output
 
-Prints every counter (total over its series, and the largest label sets), every gauge (value, or min / max
-over series), every histogram (count, mean, p50 / p90 / p99 interpolated in the buckets as PromQL's
-``histogram_quantile`` does), then figures derived from the bridge's own series (prefix-cache hit rate,
-tokens per turn, RPC errors). Parsing is prometheus_client's; a malformed scrape exits 2 with the reason.
+Percentiles are computed from the histogram buckets the way PromQL's ``histogram_quantile``
+does (linear interpolation inside the bucket holding the rank), so they are estimates bounded
+by the bucket edges. Several dumps (e.g. one per bridge replica) are summed.
 """
 
 from __future__ import annotations
@@ -15,137 +15,102 @@ import argparse
 import json
 import math
 import sys
-import urllib.request
 from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-QUANTILES = (0.5, 0.9, 0.99)
+TOKENS = {
+    "primerl_prompt_tokens_total": "prompt",
+    "primerl_cached_tokens_total": "cached",
+    "primerl_generated_tokens_total": "generated",
+    "primerl_turns_total": "turns",
+}
+HISTOGRAMS = {"primerl_step_latency_seconds": "step_latency", "primerl_ttft_seconds": "ttft"}
+QUANTILES = (0.5, 0.95, 0.99)
 
 
-def read_scrape(source: str) -> str:
-    if source == "-":
-        return sys.stdin.read()
-    if source.startswith(("http://", "https://")):
-        with urllib.request.urlopen(source, timeout=10) as resp:
-            return str(resp.read().decode())
-    with open(source, encoding="utf-8") as f:
-        return f.read()
-
-
-def quantile(q: float, buckets: list[tuple[float, float]]) -> float:
-    """``histogram_quantile``: linear interpolation inside the bucket holding rank ``q * count``."""
-    if not buckets or buckets[-1][1] == 0:
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float:
+    """PromQL's estimate of quantile ``q`` from cumulative ``(upper bound, count)`` buckets."""
+    pairs = sorted(buckets)
+    if not pairs or pairs[-1][1] == 0:
         return math.nan
-    rank = q * buckets[-1][1]
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in buckets:
+    total = pairs[-1][1]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, count in pairs:
         if count >= rank:
-            if math.isinf(bound):
-                return lower_bound  # the top finite bound, as Prometheus answers
-            if count == lower_count:
-                return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
-        lower_bound, lower_count = bound, count
-    return math.nan
+            if math.isinf(upper):
+                return lower  # the rank lies beyond the last finite bound: report that bound
+            if count == below:
+                return upper
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
 
 
-def _labels(labels: dict[str, str]) -> str:
-    return "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else ""
+def analyze(text: str) -> dict[str, Any]:
+    """Per (model, engine): token totals, hit ratio, turns and latency percentiles; RPCs by code."""
+    tokens: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    buckets: dict[tuple[str, str, str], dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    rpcs: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.labels.get("model", ""), s.labels.get("engine", ""))
+            if s.name in TOKENS:
+                tokens[key][TOKENS[s.name]] += s.value
+            elif s.name.endswith("_bucket") and s.name[: -len("_bucket")] in HISTOGRAMS:
+                which = HISTOGRAMS[s.name[: -len("_bucket")]]
+                buckets[(*key, which)][float(s.labels["le"])] += s.value
+            elif s.name == "primerl_rpc_handled_total":
+                rpcs[s.labels["code"]] += s.value
+    models: dict[str, dict[str, Any]] = {}
+    for key in sorted(set(tokens) | {(m, e) for m, e, _ in buckets}):
+        t = tokens.get(key, {})
+        row: dict[str, Any] = {k: int(t.get(k, 0)) for k in ("prompt", "cached", "generated", "turns")}
+        row["hit_ratio"] = row["cached"] / row["prompt"] if row["prompt"] else None
+        for which in HISTOGRAMS.values():
+            b = buckets.get((*key, which))
+            if b:
+                row[f"{which}_count"] = int(max(b.values()))
+                for q in QUANTILES:
+                    row[f"{which}_p{round(q * 100)}_s"] = histogram_quantile(q, b.items())
+        models[f"{key[0]}/{key[1]}"] = row
+    return {"models": models, "rpcs_by_code": dict(sorted(rpcs.items()))}
 
 
-def summarise(text: str) -> dict[str, Any]:
-    """The scrape as {counters, gauges, histograms, derived}; raises ValueError on a malformed scrape."""
-    counters: dict[str, Any] = {}
-    gauges: dict[str, Any] = {}
-    histograms: dict[str, Any] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.type == "counter":
-            series = {_labels(s.labels): s.value for s in fam.samples if s.name.endswith("_total")}
-            top = sorted(series.items(), key=lambda kv: -kv[1])[:3]
-            counters[fam.name] = {"total": sum(series.values()), "series": len(series), "top": top}
-            coded = [s for s in fam.samples if s.name.endswith("_total") and "code" in s.labels]
-            if coded:  # gRPC status per call: what did not end OK
-                counters[fam.name]["not_ok"] = sum(s.value for s in coded if s.labels["code"] != "OK")
-        elif fam.type == "gauge" and not fam.name.endswith("_created"):
-            values = [s.value for s in fam.samples]
-            if values:
-                gauges[fam.name] = {"min": min(values), "max": max(values), "series": len(values)}
-        elif fam.type == "histogram":
-            buckets: dict[float, float] = defaultdict(float)
-            count = total = 0.0
-            for s in fam.samples:
-                if s.name.endswith("_bucket"):
-                    buckets[float(s.labels["le"])] += s.value
-                elif s.name.endswith("_count"):
-                    count += s.value
-                elif s.name.endswith("_sum"):
-                    total += s.value
-            ordered = sorted(buckets.items())
-            histograms[fam.name] = {
-                "count": count,
-                "mean": total / count if count else math.nan,
-                **{f"p{round(q * 100)}": quantile(q, ordered) for q in QUANTILES},
-            }
-    return {"counters": counters, "gauges": gauges, "histograms": histograms, "derived": derive(counters)}
-
-
-def derive(counters: dict[str, Any]) -> dict[str, float]:
-    def total(name: str) -> float:
-        return float(counters.get(name, {}).get("total", 0.0))
-
-    out: dict[str, float] = {}
-    prompt, cached, turns = total("primerl_prompt_tokens"), total("primerl_cached_tokens"), total("primerl_turns")
-    if prompt:
-        out["prefix_cache_hit_rate"] = cached / prompt
-    if turns:
-        out["generated_tokens_per_turn"] = total("primerl_generated_tokens") / turns
-        out["prompt_tokens_per_turn"] = prompt / turns
-    rpc = counters.get("primerl_rpc_handled")
-    if rpc:
-        out["rpc_total"] = rpc["total"]
-        out["rpc_not_ok"] = rpc.get("not_ok", 0.0)
-    return out
-
-
-def _fmt(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.4g}"
+def _fmt_s(v: Any) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1e3:.1f} ms"
 
 
 def render(summary: dict[str, Any]) -> str:
-    lines = [f"counters ({len(summary['counters'])})"]
-    for name, c in sorted(summary["counters"].items()):
-        top = ", ".join(f"{lbl or '{}'}={_fmt(v)}" for lbl, v in c["top"] if v)
-        lines.append(f"  {name:<48} {_fmt(c['total']):>10}  {top}")
-    lines.append(f"gauges ({len(summary['gauges'])})")
-    for name, g in sorted(summary["gauges"].items()):
-        value = _fmt(g["max"]) if g["min"] == g["max"] else f"{_fmt(g['min'])}..{_fmt(g['max'])}"
-        lines.append(f"  {name:<48} {value:>10}  ({g['series']} series)")
-    lines.append(f"histograms ({len(summary['histograms'])})")
-    for name, h in sorted(summary["histograms"].items()):
-        qs = " ".join(f"p{round(q * 100)}={_fmt(h[f'p{round(q * 100)}'])}" for q in QUANTILES)
-        lines.append(f"  {name:<48} count={_fmt(h['count'])} mean={_fmt(h['mean'])} {qs}")
-    lines.append("derived")
-    for name, value in summary["derived"].items():
-        lines.append(f"  {name:<48} {_fmt(value):>10}")
+    lines = []
+    header = ["model/engine", "prompt", "cached", "generated", "turns", "hit ratio"]
+    header += [f"step p{round(q * 100)}" for q in QUANTILES] + [f"ttft p{round(q * 100)}" for q in QUANTILES]
+    lines.append(" | ".join(header))
+    lines.append(" | ".join("---" for _ in header))
+    for name, r in summary["models"].items():
+        cells = [name, *(str(r[k]) for k in ("prompt", "cached", "generated", "turns"))]
+        cells.append("-" if r["hit_ratio"] is None else f"{r['hit_ratio']:.3f}")
+        cells += [_fmt_s(r.get(f"step_latency_p{round(q * 100)}_s")) for q in QUANTILES]
+        cells += [_fmt_s(r.get(f"ttft_p{round(q * 100)}_s")) for q in QUANTILES]
+        lines.append(" | ".join(cells))
+    if summary["rpcs_by_code"]:
+        lines.append("")
+        lines.append("RPCs by status code: " + ", ".join(f"{c}={int(n)}" for c, n in summary["rpcs_by_code"].items()))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("scrape", help="a /metrics text dump, '-' for stdin, or an http(s) URL to scrape")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args = p.parse_args(argv)
-    try:
-        summary = summarise(read_scrape(args.scrape))
-    except (OSError, ValueError) as exc:
-        print(f"analyze_metrics: cannot read {args.scrape}: {exc}", file=sys.stderr)
-        return 2
-    if not (summary["counters"] or summary["gauges"] or summary["histograms"]):
-        print(f"analyze_metrics: {args.scrape} holds no Prometheus metrics", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=1, default=str) if args.json else render(summary))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("dumps", nargs="+", help="Prometheus text files ('-' reads stdin)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = parser.parse_args(argv)
+    text = "".join(sys.stdin.read() if p == "-" else Path(p).read_text(encoding="utf-8") for p in args.dumps)
+    summary = analyze(text)
+    print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0
 
 
