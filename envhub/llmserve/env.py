@@ -6,6 +6,7 @@ but the ``EpisodeArchive`` where finished episodes' logs wait for ``POST /grader
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections import OrderedDict
@@ -27,6 +28,14 @@ class EpisodeFinishedError(RuntimeError):
 
 class EpisodeNotStartedError(RuntimeError):
     """A step before any reset."""
+
+
+def mode() -> str:
+    """``LLMSERVE_MODE``: ``sim`` (default, the calibrated simulator) or ``real`` (through a bridge)."""
+    value = os.environ.get("LLMSERVE_MODE", "sim")
+    if value not in ("sim", "real"):
+        raise ValueError(f"LLMSERVE_MODE must be 'sim' or 'real', not {value!r}")
+    return value
 
 
 class EpisodeArchive:
@@ -65,7 +74,9 @@ class LLMServeEnvironment(Environment[ServeAction, ServeObservation, ServeState]
     ) -> ServeObservation:
         spec = get_task(task_id)  # UnknownTaskError lists the tasks
         seed = 0 if seed is None else seed
-        self._episode = Episode(spec, seed)
+        if self._episode is not None:
+            self._episode.close()
+        self._episode = Episode(spec, seed, mode())
         self._state = ServeState(
             episode_id=episode_id or uuid.uuid4().hex,
             step_count=0,
@@ -93,9 +104,13 @@ class LLMServeEnvironment(Environment[ServeAction, ServeObservation, ServeState]
         self._state.step_count = ep.step_index
         self._state.total_reward = ep.total_reward
         self._state.done = ep.done
-        if ep.done and self._state.episode_id:
+        if ep.done and self._state.episode_id and ep.mode == "sim":  # a measured episode does not replay
             self._archive.put(self._state.episode_id, log.model_copy(deep=True))
         return obs
+
+    def close(self) -> None:
+        if self._episode is not None:
+            self._episode.close()
 
     @property
     def state(self) -> ServeState:

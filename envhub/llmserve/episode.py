@@ -33,10 +33,17 @@ def _pct(values: list[float], q: float) -> float:
 class Episode:
     """Deterministic in (task, seed, actions)."""
 
-    def __init__(self, spec: TaskSpec, seed: int) -> None:
+    def __init__(self, spec: TaskSpec, seed: int, mode: str = "sim") -> None:
         self.spec = spec
         self.seed = seed
-        self.sim = Simulator(spec, generate_workload(spec, seed))
+        self.mode = mode
+        workload = generate_workload(spec, seed)
+        if mode == "real":  # deterministic in nothing: its windows are measured (envhub/llmserve/real.py)
+            from envhub.llmserve.real import RealBackend
+
+            self.sim: Simulator | RealBackend = RealBackend(spec, workload)
+        else:
+            self.sim = Simulator(spec, workload)
         self.step_index = 0
         self.total_reward = 0.0
 
@@ -46,6 +53,11 @@ class Episode:
 
     def initial_observation(self) -> ServeObservation:
         return ServeObservation(task_id=self.spec.task_id, reward=0.0, done=False)
+
+    def close(self) -> None:
+        close = getattr(self.sim, "close", None)
+        if close is not None:
+            close()
 
     def step(self, action: ServeAction) -> ServeObservation:
         st = self.sim.run_window(action)
@@ -60,8 +72,9 @@ class Episode:
         kv_cap = max(1, self.sim.kv_capacity(action))
         used = self.sim.kv_used()
         occupancy = min(1.0, used / kv_cap)
-        tps = st.tokens / spec.window_s
-        goodput = st.good_tokens / spec.window_s
+        window_s = st.elapsed_s or spec.window_s
+        tps = st.tokens / window_s
+        goodput = st.good_tokens / window_s
         compliance = st.met / st.judged if st.judged else 1.0
         price = spec.hardware.price_per_hour * st.gpu_seconds / 3600
         cost_1k = min(MAX_COST_PER_1K, price / max(st.tokens, 1e-9) * 1000)
@@ -87,12 +100,20 @@ class Episode:
             slo_compliance_rate=compliance,
             gpu_memory_used_gb=memory / 1e9,
             estimated_cost_per_1k=cost_1k,
-            request_arrival_rate=st.arrivals / spec.window_s,
+            request_arrival_rate=st.arrivals / window_s,
             spec_acceptance_rate=spec.spec_alpha if action.speculation_depth else 0.0,
             eviction_events=st.evictions,
             step_index=self.step_index,
             task_id=spec.task_id,
             reward=reward,
             done=self.done,
-            metadata={"mode": "sim", "kv_capacity_tokens": kv_cap, "goodput_tps": goodput},
+            metadata=self._metadata(kv_cap, goodput, window_s),
         )
+
+    def _metadata(self, kv_cap: int, goodput: float, window_s: float) -> dict[str, object]:
+        meta: dict[str, object] = {"mode": self.mode, "kv_capacity_tokens": kv_cap, "goodput_tps": goodput}
+        if self.mode == "real":
+            from envhub.llmserve.real import NOT_APPLIED
+
+            meta |= {"simulated": list(NOT_APPLIED), "window_wall_s": window_s}
+        return meta

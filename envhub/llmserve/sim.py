@@ -87,6 +87,7 @@ class WindowStats:
     arrivals: int = 0
     prompt_tokens: int = 0
     gpu_seconds: float = 0.0
+    elapsed_s: float = 0.0  # the window's length when it is measured (real mode); 0 = the task's window_s
 
 
 class Simulator:
