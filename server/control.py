@@ -141,9 +141,9 @@ class ControlService(cpb_grpc.ControlServicer):
 
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: Any) -> pb.UpdateWeightsResponse:
         async def pick() -> str:
-            bridges = await self.store.bridges(request.model)
             if not request.model:
                 raise InvalidArgument("model is empty: name the model whose fleet loads the weights")
+            bridges = await self.store.bridges(request.model)
             if not bridges:
                 raise NotFound(f"no live bridge serves model {request.model!r}")
             return min(bridges, key=lambda b: b.load).address

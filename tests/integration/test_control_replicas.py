@@ -14,6 +14,7 @@ import asyncio
 import sys
 from asyncio.subprocess import PIPE
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,6 +23,7 @@ import pytest
 from engines.launch import free_port
 from proto.primerl.v1 import control_pb2 as cpb
 from proto.primerl.v1 import control_pb2_grpc as cpb_grpc
+from proto.primerl.v1 import primerl_pb2 as pb
 from rl_client import AsyncBridgeClient
 from server.control import ControlServer, create_control_server
 from tests.integration.fleet_bridge import ROOT, FleetBridgeProcess, fleet_env
@@ -92,6 +94,7 @@ async def test_replicas_added_drained_and_removed_at_run_time(
     control: tuple[ControlServer, cpb_grpc.ControlAsyncStub],
     bridges: tuple[FleetBridgeProcess, FleetBridgeProcess],
     engines: list[StandinProcess],
+    tmp_path: Path,
 ) -> None:
     server, stub = control
     a, b = bridges
@@ -147,6 +150,15 @@ async def test_replicas_added_drained_and_removed_at_run_time(
     record = await stub.GetModel(cpb.GetModelRequest(model="toy"))
     assert [(r.url, r.state) for r in record.replicas] == [(r0, "active")]
 
+    # A fleet-wide weight update through the control plane: run by a live bridge, the whole fleet moves.
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    updated = await stub.UpdateWeights(pb.UpdateWeightsRequest(model="toy", checkpoint_path=str(checkpoint)))
+    assert updated.policy_version == 1
+    assert (await stub.GetModel(cpb.GetModelRequest(model="toy"))).policy_version == 1
+    started = await b.client.start_episode(_prompt(7), sampling=SHORT)
+    assert started.policy_version == 1 and (await b.client.step(started.episode_id)).policy_version == 1
+
 
 async def test_the_control_plane_refuses_bad_input_with_clear_statuses(
     control: tuple[ControlServer, cpb_grpc.ControlAsyncStub],
@@ -159,6 +171,8 @@ async def test_the_control_plane_refuses_bad_input_with_clear_statuses(
         (stub.RemoveReplica(_replica("toy", "http://x:1")), grpc.StatusCode.NOT_FOUND, "no replica"),
         (stub.GetModel(cpb.GetModelRequest(model="nope")), grpc.StatusCode.NOT_FOUND, "no model 'nope'"),
         (stub.LocateEpisode(cpb.LocateEpisodeRequest()), grpc.StatusCode.INVALID_ARGUMENT, "episode_id"),
+        (stub.UpdateWeights(pb.UpdateWeightsRequest(model="")), grpc.StatusCode.INVALID_ARGUMENT, "model is empty"),
+        (stub.UpdateWeights(pb.UpdateWeightsRequest(model="nope")), grpc.StatusCode.NOT_FOUND, "no live bridge"),
     ]
     for call, code, words in cases:
         with pytest.raises(grpc.aio.AioRpcError) as failed:
