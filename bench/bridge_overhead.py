@@ -69,6 +69,14 @@ async def through_bridge(client: AsyncBridgeClient, n: int, tokens: int, stream:
     return out
 
 
+async def engine_cpu(n: int, tokens: int) -> float:
+    """CPU-seconds of the toy engine alone per ``tokens``-token turn, in this process (what any server that runs
+    this engine in-process pays per Step on top of its gRPC costs)."""
+    own = time.process_time()
+    await direct(n, tokens)
+    return (time.process_time() - own) / n
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -254,6 +262,7 @@ def cpu_row(name: str, pair: Pair, rounds: int) -> tuple[str, str, str]:
 async def main(n: int, seconds: float, rev: str = "", rounds: int = 3) -> None:
     base16 = await direct(n, 16)
     base256 = await direct(max(20, n // 10), 256)
+    engine = {tokens: await engine_cpu(max(200, n), tokens) for _, tokens, _ in MODES}
     async with serving(floor=True) as floor, serving() as bridge:
         floor16 = await sequential(floor[0], n)
         bridged16 = await through_bridge(bridge[0], n, 16, False)
@@ -306,6 +315,14 @@ async def main(n: int, seconds: float, rev: str = "", rounds: int = 3) -> None:
         ),
         ("Steps/s, 2 replicas, cache-aware routing (wall clock)", f"{routed_per_s:,.0f}", ""),
         *(cpu_row(name, pair, rounds) for name, pair in pairs.items()),
+        *(
+            (
+                f"the toy engine's own CPU per {tokens}-token turn; (bare gRPC server + it) / bare gRPC server",
+                f"{engine[tokens] * 1e6:,.0f} us; {1 + engine[tokens] / pairs[name].median('floor', 1):.2f}x",
+                "the least a bridge running it in-process can reach",
+            )
+            for name, tokens, _ in MODES
+        ),
         ("Steps per bridge CPU-second, 2 replicas", f"{routed_per_cpu_s:,.0f}", ""),
     ]
     figures = {
@@ -327,6 +344,10 @@ async def main(n: int, seconds: float, rev: str = "", rounds: int = 3) -> None:
         "grpc_floor_cpu_ceiling_steps_per_s": floor_ceiling,
         "streamed64_bridge_cpu_us_per_step": streamed.median("bridge", 1) * 1e6,
         "streamed64_grpc_floor_cpu_us_per_step": streamed.median("floor", 1) * 1e6,
+        "engine_cpu_us_per_turn_16": engine[16] * 1e6,
+        "engine_cpu_us_per_turn_64": engine[64] * 1e6,
+        "unary16_floor_plus_engine_over_floor": 1 + engine[16] / unary.median("floor", 1),
+        "streamed64_floor_plus_engine_over_floor": 1 + engine[64] / streamed.median("floor", 1),
         "unary16_cpu_ratio_rounds": unary.ratios(),
         "streamed64_cpu_ratio_rounds": streamed.ratios(),
     }

@@ -28,6 +28,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import pct, record, start_bridge
+from bench.bridge_overhead import cpu_seconds
 from engines.config import VllmConfig
 from engines.launch import VllmProcess, provision_vllm
 from engines.model_store import ensure_converted
@@ -104,7 +105,9 @@ async def main(url: str, model_dir: Path, turns: int, prompts: int, repeats: int
             for _ in range(2):  # warm-up: both paths, prefix cached
                 await direct_turn(http, {**payload, "request_id": uuid.uuid4().hex})
                 await bridge_turn(client)
+            cpu0 = cpu_seconds(proc.pid)
             reps = [await repetition(client, http, payload, turns) for _ in range(repeats)]
+            bridge_cpu = (cpu_seconds(proc.pid) - cpu0) / (turns * repeats)  # per bridged turn (Start, Step, End)
             cold, warm = [], []
             for _ in range(prompts):
                 long_prompt = [1, *(rng.randrange(1000, 40000) for _ in range(1023))]
@@ -120,6 +123,7 @@ async def main(url: str, model_dir: Path, turns: int, prompts: int, repeats: int
     overhead_ms = (b50 - d50) * 1e3
     share = (b50 - d50) / d50 * 100
     median_ratio = pct(ratios, 50)
+    cpu_share = bridge_cpu / b50 * 100
     c50, w50 = pct(cold, 50), pct(warm, 50)
     rows = [
         ("direct vLLM HTTP 16-token turn p50", f"{d50 * 1e3:.1f} ms", "baseline"),
@@ -129,6 +133,11 @@ async def main(url: str, model_dir: Path, turns: int, prompts: int, repeats: int
             f"bridged / direct turn, median of {repeats} repetitions' ratios (min-max; each: p50 of {turns} pairs)",
             f"{median_ratio:.3f} ({min(ratios):.3f}-{max(ratios):.3f}) = {(median_ratio - 1) * 100:+.1f}%",
             "<= 1.05 (+5%)",
+        ),
+        (
+            "bridge process CPU per bridged turn (StartEpisode + Step + EndEpisode), share of the turn's time",
+            f"{bridge_cpu * 1e3:.2f} ms = {cpu_share:.2f}%",
+            "",
         ),
         ("first token, 1,024-token prompt, cache miss p50", f"{c50 * 1e3:.0f} ms", ""),
         ("first token, same prompt, prefix-cache hit p50", f"{w50 * 1e3:.0f} ms", ""),
@@ -144,6 +153,7 @@ async def main(url: str, model_dir: Path, turns: int, prompts: int, repeats: int
         "turns": turns,
         "repeats": repeats,
         "repetition_ratios": ratios,
+        "bridge_cpu_ms_per_turn": bridge_cpu * 1e3,
         "overhead_pct_median": (median_ratio - 1) * 100,
         "overhead_pct_spread": (max(ratios) - min(ratios)) * 100,
         "prompts": prompts,
