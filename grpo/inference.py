@@ -28,7 +28,7 @@ from engines.chat import HFTokenizer
 from engines.scoring import score_forward
 from engines.types import Message
 from envhub import EnvHubConfig, Environment, ToolLoop
-from rl_client import AsyncBridgeClient, BridgeClient, Trajectory, TurnResult
+from rl_client import AsyncBridgeClient, BridgeClient, Trajectory
 
 PromptLike = str | Sequence[Mapping[str, str]] | Sequence[Message] | Sequence[int]
 ResponseLike = str | Sequence[int]
@@ -132,26 +132,45 @@ class InferenceModule:
     # -- generation ------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[PromptLike], **sampling: Any) -> list[Generation]:
-        """One sampled completion per prompt (``sampling`` overrides the module's defaults)."""
-        params = self.sampling | sampling
-        ids = [self.prompt_ids(p) for p in prompts]
-        if self.client is None:
-            return [self._generate_local(p, params) for p in ids]
+        """One sampled completion per prompt (``sampling`` overrides the module's defaults).
 
-        async def one(client: AsyncBridgeClient, prompt: list[int]) -> Generation:
+        On a bridge, chat prompts are rendered by the bridge's own tokenizer (token-id prompts are sent as is).
+        """
+        params = self.sampling | sampling
+        if self.client is None:
+            return [self._generate_local(self.prompt_ids(p), params) for p in prompts]
+        wire = [[int(t) for t in p] if _is_ids(p) else message_dicts(as_messages(p)) for p in prompts]  # type: ignore[arg-type]
+
+        async def one(client: AsyncBridgeClient, prompt: Any) -> Generation:
             started = await client.start_episode(prompt, sampling=params)
             try:
                 turn = await client.step(started.episode_id)
-            finally:
+            except BaseException:
                 await client.discard_episode(started.episode_id)
-            return self._generation(prompt, turn)
+                raise
+            traj = await client.end_episode(started.episode_id)
+            prompt_ids = [int(t) for t in traj.token_ids[: traj.prompt_length]]
+            return Generation(
+                prompt_ids,
+                [int(t) for t in turn.token_ids],
+                turn.logprobs,
+                turn.text,
+                turn.policy_version,
+                turn.finish_reason,
+            )
 
-        return self.client.run_episodes(ids, one, concurrency=max(1, len(ids)))
+        return self._many(wire, one, len(wire))
 
-    def _generation(self, prompt: list[int], turn: TurnResult) -> Generation:
-        return Generation(
-            prompt, [int(t) for t in turn.token_ids], turn.logprobs, turn.text, turn.policy_version, turn.finish_reason
-        )
+    def _many(self, items: Sequence[Any], fn: Any, concurrency: int) -> list[Any]:
+        """``fn(client, item)`` for every item on the bridge; the first failure is raised as itself."""
+        assert self.client is not None
+        try:
+            return self.client.run_episodes(items, fn, concurrency=max(1, concurrency))
+        except BaseExceptionGroup as group:
+            first: BaseException = group
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
 
     def _generate_local(self, prompt: list[int], params: Mapping[str, Any]) -> Generation:
         import torch
@@ -201,7 +220,7 @@ class InferenceModule:
             lg = np.frombuffer(resp.logits, dtype="<f4").reshape(lp.size, resp.vocab_size) if logits else None
             return lp, lg
 
-        return self.client.run_episodes(pairs, one, concurrency=8)
+        return self._many(pairs, one, 8)
 
     def get_logprobs(
         self, prompts: Sequence[PromptLike], responses: Sequence[ResponseLike], temperature: float = 1.0
@@ -252,7 +271,7 @@ class InferenceModule:
             reward = float(decision.reward or 0.0)
             return ToolEpisode(texts, reward, await client.end_episode(started.episode_id, reward=reward), reasons)
 
-        return self.client.run_episodes(items, one, concurrency=max(1, len(items)))
+        return self._many(items, one, len(items))
 
     # -- weights ---------------------------------------------------------------------------------
 
