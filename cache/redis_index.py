@@ -11,14 +11,18 @@ sets of at most 128 small entries), about 30 B per (block, replica) entry (bench
   replica holds a reused block (``f`` >= 2) any more, the record stays as a *ghost* (only
   ``f`` and an expiry ``ghost_ttl_s`` ahead) so a returning prefix keeps its history; one-off
   blocks are deleted. Expired ghosts are deleted by later writes (queue ``ns:gq``).
-- ``ns:r:<replica>:<prefix(h, k)>`` ZSET member = ``<hash>``, score = eviction priority
+- ``ns:s:<replica>:<prefix(h, k)>`` ZSET member = ``<hash>``, score = eviction priority
   (cache/index.py ``score``, an integer); ``k`` is chosen from the replica's capacity at its first
-  write (about 64 entries per bucket) and kept in ``ns:L:<replica>``.
-- ``ns:r:<replica>`` ZSET member = a bucket prefix, score = the lowest score in that bucket:
+  write (about 64 entries per bucket) and kept in ``ns:c:<replica>``.
+- ``ns:s:<replica>`` ZSET member = a bucket prefix, score = the lowest score in that bucket:
   eviction pops the replica's lowest entry in two steps, in the same order as one sorted set.
-- ``ns:L:<replica>`` HASH the cost-eviction clock of that replica (insertions / capacity), its
+- ``ns:c:<replica>`` HASH the cost-eviction clock of that replica (insertions / capacity), its
   entry count and ``k``
 - ``ns:a:<key>``    STRING pinned replica of an episode / GRPO group (``SET NX EX``)
+
+(The earlier layout's ``ns:b:*``, ``ns:r:*`` and ``ns:L:*`` keys are not read: after an upgrade the
+index refills from new turns, and an older bridge sharing the Redis simply does not see the new
+entries.)
 
 Writes (record / confirm / drop) are one Lua script per call, so a replica's bound and its
 block hashes never disagree, and run as owned background tasks (a turn never waits on them).
@@ -136,7 +140,7 @@ class RedisIndex:
 
     async def held(self, replica: int) -> set[int]:
         """Block hashes ``replica`` holds in the index (tests, debugging: reads every bucket)."""
-        top = f"{self.ns}:r:{replica}".encode()
+        top = f"{self.ns}:s:{replica}".encode()
         out: set[int] = set()
         for b in cast(list[bytes], await self.redis.zrange(top, 0, -1)):
             members = cast(list[bytes], await self.redis.zrange(top + b":" + b, 0, -1))

@@ -67,7 +67,8 @@ end
 local function encode(f, hs)
   local t = {fbytes(f)}
   for r, p in pairs(hs) do
-    if p == 0 then t[#t + 1] = be(r, 2) else t[#t + 1] = be(r + 32768, 2) .. be(p, 6) end
+    local hi, lo = math.floor(r / 256), r % 256
+    if p == 0 then t[#t + 1] = string.char(hi, lo) else t[#t + 1] = string.char(hi + 128, lo) .. be(p, 6) end
   end
   return table.concat(t)
 end
@@ -78,7 +79,7 @@ local function q(x) return math.floor(x * 1000000 + 0.5) end
 _STATE = r"""
 local rep, now, ns, hb, ghost_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local cap = tonumber(ARGV[6])
-local lkey, top, gq = ns .. ':L:' .. rep, ns .. ':r:' .. rep, ns .. ':gq'
+local lkey, top, gq = ns .. ':c:' .. rep, ns .. ':s:' .. rep, ns .. ':gq'
 local st = redis.call('HMGET', lkey, 'c', 'n', 'k')
 local clock, count, kb = tonumber(st[1] or '0'), tonumber(st[2] or '0'), tonumber(st[3])
 if kb == nil then
@@ -91,10 +92,6 @@ local function hkey(member) return ns .. ':h' .. hb .. ':' .. prefix(member, hb)
 local function rkey(member)
   local p = prefix(member, kb)
   return top .. ':' .. p, p
-end
-local function retop(bk, p)
-  local lo = redis.call('ZRANGE', bk, 0, 0, 'WITHSCORES')
-  if lo[1] then redis.call('ZADD', top, lo[2], p) else redis.call('ZREM', top, p) end
 end
 local function put(hk, fld, member, f, hs, n)
   if n > 0 then
@@ -140,9 +137,7 @@ if op == 'drop' then
     local hk, fld = hkey(member)
     local f, hs, cnt = decode(redis.call('HGET', hk, fld))
     if hs[rep] ~= nil and hs[rep] ~= 0 then
-      local bk, bp = rkey(member)
-      redis.call('ZREM', bk, member)
-      retop(bk, bp)
+      redis.call('ZREM', rkey(member), member)  -- the bucket's bound in the top set stays a lower bound
       hs[rep] = nil
       put(hk, fld, member, f, hs, cnt - 1)
       count = count - 1
@@ -169,8 +164,9 @@ for i = n - 1, 0, -1 do
   local bk, bp = rkey(member)
   if mode == 'lru' then
     if bump then
-      redis.call('ZADD', bk, 'GT', q(now / 1000.0 + (n - i) * 1e-6), member)
-      retop(bk, bp)
+      local x = q(now / 1000.0 + (n - i) * 1e-6)
+      redis.call('ZADD', bk, 'GT', x, member)
+      if v == nil then redis.call('ZADD', top, 'LT', x, bp) end
     end
   else
     local s = nil
@@ -183,24 +179,38 @@ for i = n - 1, 0, -1 do
     if s == nil then s = q(clock - 1) end
     if floor ~= nil and floor > s then s = floor end
     redis.call('ZADD', bk, s, member)
-    retop(bk, bp)
+    if v == nil then redis.call('ZADD', top, 'LT', s, bp) end  -- scores only rise: a new entry may lower the bound
     floor = s + 1
   end
   redis.call('HSET', hk, fld, encode(f, hs))
 end
 local evicted = 0
 while count > cap do
-  local lo = redis.call('ZRANGE', top, 0, 0)
+  -- The top set holds a lower bound of each bucket's lowest score (exact when set; entries that
+  -- rose or left may leave it low). The lowest bucket's first entry, once its bound is exact, is
+  -- the replica's lowest (equal bounds are ordered by prefix, as one sorted set orders equal
+  -- scores by member), and so are the entries after it below the next bucket's bound.
+  local lo = redis.call('ZRANGE', top, 0, 1, 'WITHSCORES')
   if not lo[1] then
     count = 0
     break
   end
   local bk = top .. ':' .. lo[1]
-  local m = redis.call('ZPOPMIN', bk)[1]
-  retop(bk, lo[1])
-  release(m)
-  count = count - 1
-  evicted = evicted + 1
+  local s2 = tonumber(lo[4])
+  local batch = redis.call('ZRANGE', bk, 0, math.min(count - cap, 8), 'WITHSCORES')
+  if not batch[1] then
+    redis.call('ZREM', top, lo[1])
+  elseif tonumber(batch[2]) > tonumber(lo[2]) then
+    redis.call('ZADD', top, batch[2], lo[1])
+  else
+    local k = 1
+    while k < count - cap and k * 2 < #batch and (s2 == nil or tonumber(batch[2 * k + 2]) < s2) do k = k + 1 end
+    redis.call('ZREMRANGEBYRANK', bk, 0, k - 1)
+    if batch[2 * k + 2] then redis.call('ZADD', top, batch[2 * k + 2], lo[1]) end  -- the new exact bound
+    for j = 1, k do release(batch[2 * j - 1]) end
+    count = count - k
+    evicted = evicted + k
+  end
 end
 redis.call('HSET', lkey, 'n', count)
 if mode == 'cost' then redis.call('HSET', lkey, 'c', string.format('%.17g', clock)) end

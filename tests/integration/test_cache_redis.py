@@ -254,7 +254,7 @@ async def test_bucketed_eviction_order_matches_one_sorted_set(redis_server: Priv
             for r in (0, 1):
                 assert await red.held(r) == {h for h, hs in mem._holders.items() if r in hs}, (step, r)
         assert red.stats.evictions == mem.stats.evictions > 100
-        buckets = await red.redis.zcard(f"{red.cfg.namespace()}:r:0")
+        buckets = await red.redis.zcard(f"{red.cfg.namespace()}:s:0")
         assert buckets > 1  # the replica's entries really are spread over several sorted sets
         for chain in shared:
             assert (await red.lookup(chain)).blocks == mem.lookup_now(chain).blocks
