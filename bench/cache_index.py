@@ -44,6 +44,24 @@ async def timed(idx: RedisIndex, hashes: list[int], iters: int) -> list[float]:
     return out
 
 
+async def _script_ms(idx: RedisIndex) -> float:
+    stats = await idx.redis.info("commandstats")
+    return float(stats.get("cmdstat_evalsha", {}).get("usec_per_call", float("nan"))) / 1e3
+
+
+async def _evicting_writes(url: str, cfg: CacheConfig, fp: Fingerprinter, rng: random.Random, salt: str) -> float:
+    """Redis time per 256-block record on a replica at its bound (each write evicts 256 entries)."""
+    idx = RedisIndex(url, cfg.model_copy(update={"default_capacity_blocks": 2048, "key_prefix": "bench:evict"}))
+    for i in range(24):
+        if i == 12:
+            await idx.redis.config_resetstat()
+        await idx.record(0, fp.hashes([rng.randrange(49152) for _ in range(PROMPT)], salt))
+        await idx.flush()
+    out = await _script_ms(idx)
+    await idx.close()
+    return out
+
+
 async def main(iters: int) -> None:
     server = PrivateRedis()
     server.start()
@@ -64,12 +82,14 @@ async def main(iters: int) -> None:
         )
         idx = RedisIndex(server.url, cold)
         info0 = await idx.redis.info("memory")
+        await idx.redis.config_resetstat()
         chains = [fp.hashes([rng.randrange(49152) for _ in range(PROMPT)], salt) for _ in range(CHAINS)]
         for k, chain in enumerate(chains):
             await idx.confirm(k % 8, chain)
             await idx.confirm((k + 1) % 8, chain[:64])  # a second holder of the first 1k tokens
             await idx.flush()
         await idx.flush()
+        write_ms = await _script_ms(idx)  # per 256- or 64-block confirm, nothing evicted
         entries = sum(len(c) + 64 for c in chains)
         info1 = await idx.redis.info("memory")
         bytes_per_entry = (info1["used_memory"] - info0["used_memory"]) / entries
@@ -103,6 +123,7 @@ async def main(iters: int) -> None:
         await timed(near_idx, hit, 1)
         near = await timed(near_idx, hit, iters)
         await near_idx.close()
+        evict_ms = await _evicting_writes(server.url, cold, fp, rng, salt)
     finally:
         server.close()
 
@@ -117,6 +138,11 @@ async def main(iters: int) -> None:
         ),
         ("lookup, near-cache warm: p50 / p99", f"{pct(near, 50):.3f} / {pct(near, 99):.3f} ms", ""),
         ("Redis round trips per lookup (script mode)", f"{trips / (2 * iters):.2f}", ""),
+        (
+            "Redis server time per write: 256/64-block confirm / 256-block record evicting 256",
+            f"{write_ms:.3f} / {evict_ms:.3f} ms",
+            "",
+        ),
         ("Redis bytes per indexed (block, replica) entry (used_memory delta)", f"{bytes_per_entry:.1f} B", "<= 40 B"),
         ("same, MEMORY USAGE of the index's keys", f"{usage_per_entry:.1f} B", "<= 40 B"),
         (
@@ -138,6 +164,8 @@ async def main(iters: int) -> None:
         "memory_usage_per_entry": usage_per_entry,
         "encodings": encodings,
         "server_ms_per_lookup": server_us / 1e3,
+        "server_ms_per_write": write_ms,
+        "server_ms_per_evicting_write": evict_ms,
         "iters": iters,
     }
     record(

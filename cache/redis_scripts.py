@@ -106,7 +106,12 @@ local function put(hk, fld, member, f, hs, n)
 end
 local function release(member)
   local hk, fld = hkey(member)
-  local f, hs, n = decode(redis.call('HGET', hk, fld))
+  local rec = redis.call('HGET', hk, fld)
+  if rec and #rec == 3 and string.byte(rec, 2) * 256 + string.byte(rec, 3) == rep and string.byte(rec, 1) < 128 then
+    put(hk, fld, member, string.byte(rec, 1), {}, 0)  -- the common case: this replica was the only holder
+    return
+  end
+  local f, hs, n = decode(rec)
   if hs[rep] ~= nil then
     hs[rep] = nil
     put(hk, fld, member, f, hs, n - 1)
@@ -197,7 +202,7 @@ while count > cap do
   end
   local bk = top .. ':' .. lo[1]
   local s2 = tonumber(lo[4])
-  local batch = redis.call('ZRANGE', bk, 0, math.min(count - cap, 8), 'WITHSCORES')
+  local batch = redis.call('ZRANGE', bk, 0, math.min(count - cap, 3), 'WITHSCORES')
   if not batch[1] then
     redis.call('ZREM', top, lo[1])
   elseif tonumber(batch[2]) > tonumber(lo[2]) then
