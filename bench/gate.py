@@ -242,13 +242,19 @@ def fast_figures(inject: str | None) -> dict[str, float]:
 
 def recorded_figures(only: list[str] | None = None, results: Path | None = None) -> dict[str, float]:
     """The last full benchmark run's figures (``bench/results/*.json``) as ``<benchmark>.<name>``: its same-run
-    ratios and its numeric top-level figures (some targets are absolute: ms added, Steps/s); a ratio wins a clash."""
+    ratios and its numeric figures (some targets are absolute: ms added, Steps/s, seconds to plan), a figure one
+    level down as ``<benchmark>.<group>.<name>``; a ratio wins a clash."""
     figures: dict[str, float] = {}
     for path in sorted((results or BENCH / "results").glob("*.json")):
         payload = json.loads(path.read_text())
         if only and payload["benchmark"] not in only:
             continue
-        for key, value in [*payload.get("figures", {}).items(), *payload.get("ratios", {}).items()]:
+        found = dict(payload.get("figures", {}))
+        for group, values in payload.get("figures", {}).items():
+            if isinstance(values, dict):
+                found.update({f"{group}.{k}": v for k, v in values.items()})
+        found.update(payload.get("ratios", {}))
+        for key, value in found.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 figures[f"{payload['benchmark']}.{key}"] = float(value)
     return figures

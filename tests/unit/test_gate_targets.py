@@ -77,3 +77,18 @@ def test_a_missing_figure_fails_the_full_gate(tmp_path: Path, capsys: Any) -> No
     del ratios["grammar+ngram_tool_episode_speedup"]
     assert main(["--only", "speculation", "--results", str(_results(tmp_path, "speculation", ratios))]) == 1
     assert "missing" in capsys.readouterr().out
+
+
+def test_nested_figures_are_read_one_level_down(tmp_path: Path) -> None:
+    """A benchmark that groups its figures (placement's ``large``: the 1,024-GPU plan) is gated by
+    ``<benchmark>.<group>.<name>``."""
+    from bench.gate import recorded_figures
+
+    out = tmp_path / "results"
+    out.mkdir()
+    payload = {"benchmark": "placement", "ratios": {"r": 2.0}, "figures": {"large": {"heur_s": 0.8, "note": "x"}}}
+    (out / "placement.json").write_text(json.dumps(payload))
+    figures = recorded_figures(["placement"], out)
+    assert figures == {"placement.r": 2.0, "placement.large.heur_s": 0.8}
+    assert check(figures, {"placement.large.heur_s": FULL["placement.large.heur_s"]})[0].ok
+    assert not check({"placement.large.heur_s": 1.2}, {"placement.large.heur_s": FULL["placement.large.heur_s"]})[0].ok
