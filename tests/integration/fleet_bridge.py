@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from engines.launch import free_port
 from rl_client import AsyncBridgeClient
+from tests.standins.serve import StandinProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,6 +115,32 @@ class FleetBridgeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def standins(n: int, *extra: str, kind: str = "sglang") -> Iterator[list[StandinProcess]]:
+    """``n`` stand-in engine processes on free ports (``extra``: their flags), stopped on exit."""
+    procs = [StandinProcess(kind, free_port(), *extra) for _ in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@contextlib.asynccontextmanager
+async def bridge_pair(
+    urls: list[str], env: Mapping[str, str], timeout: float = 180.0
+) -> AsyncIterator[tuple[FleetBridgeProcess, ...]]:
+    """Two fleet bridges over ``urls`` (none: ``primerl serve`` as ``env`` says), ready, closed on exit."""
+    bridges = (FleetBridgeProcess(urls, env), FleetBridgeProcess(urls, env))
+    try:
+        await asyncio.gather(*(b.ready(timeout) for b in bridges))
+        yield bridges
+    finally:
+        await asyncio.gather(*(b.close() for b in bridges))
 
 
 def fleet_env(redis_url: str, **extra: str) -> dict[str, str]:

@@ -12,18 +12,15 @@ Two fleet bridges on one private Redis over two stand-in engine processes:
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from engines.launch import free_port
 from rl_client import AsyncFleetClient
 from rl_client.errors import NotFoundError
 from server.control import create_control_server
-from tests.integration.fleet_bridge import FleetBridgeProcess, fleet_env
+from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env, standins
 from tests.integration.redis_proc import PrivateRedis
-from tests.standins.serve import StandinProcess
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5] * 3
 SAMPLING = {"max_tokens": 6, "ignore_eos": True, "seed": 2}
@@ -31,32 +28,22 @@ SAMPLING = {"max_tokens": 6, "ignore_eos": True, "seed": 2}
 
 @pytest.fixture
 def engines() -> Iterator[list[str]]:
-    procs = [StandinProcess("sglang", free_port()) for _ in range(2)]
-    try:
-        for p in procs:
-            p.start()
+    with standins(2) as procs:
         yield [p.url for p in procs]
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @pytest.fixture
 async def fleet(
     request: pytest.FixtureRequest, redis_server: PrivateRedis, engines: list[str]
-) -> AsyncIterator[tuple[FleetBridgeProcess, FleetBridgeProcess]]:
+) -> AsyncIterator[tuple[FleetBridgeProcess, ...]]:
     persistence = getattr(request, "param", "false")
     env = fleet_env(redis_server.url, PRIMERL_PERSISTENCE__ENABLED=persistence)
-    a, b = FleetBridgeProcess(engines, env), FleetBridgeProcess(engines, env)
-    try:
-        await asyncio.gather(a.ready(), b.ready())
-        yield a, b
-    finally:
-        await asyncio.gather(a.close(), b.close())
+    async with bridge_pair(engines, env) as pair:
+        yield pair
 
 
 async def test_a_step_sent_to_the_wrong_bridge_is_forwarded_to_its_owner(
-    fleet: tuple[FleetBridgeProcess, FleetBridgeProcess],
+    fleet: tuple[FleetBridgeProcess, ...],
 ) -> None:
     a, b = fleet
     ep = (await a.client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
@@ -84,7 +71,7 @@ async def control(redis_server: PrivateRedis) -> AsyncIterator[str]:
 
 @pytest.mark.parametrize("fleet", ["true"], indirect=True)
 async def test_a_bridge_killed_mid_episode_its_episode_continues_through_another(
-    fleet: tuple[FleetBridgeProcess, FleetBridgeProcess], control: str
+    fleet: tuple[FleetBridgeProcess, ...], control: str
 ) -> None:
     trainer = AsyncFleetClient(control, "toy")  # given the control plane: channels straight to owners
     try:

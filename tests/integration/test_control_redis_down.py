@@ -9,7 +9,6 @@ the whole fleet.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,9 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.launch import free_port
 from rl_client.errors import UnavailableError
-from tests.integration.fleet_bridge import FleetBridgeProcess, fleet_env
+from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env, standins
 from tests.integration.redis_proc import PrivateRedis
 from tests.standins.serve import StandinProcess
 
@@ -29,27 +27,16 @@ SAMPLING = {"max_tokens": 4, "ignore_eos": True, "seed": 3}
 
 @pytest.fixture
 def engines() -> Iterator[list[StandinProcess]]:
-    procs = [StandinProcess("sglang", free_port()) for _ in range(2)]
-    try:
-        for p in procs:
-            p.start()
+    with standins(2) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @pytest.fixture
 async def fleet(
     redis_server: PrivateRedis, engines: list[StandinProcess]
-) -> AsyncIterator[tuple[FleetBridgeProcess, FleetBridgeProcess]]:
-    urls = [e.url for e in engines]
-    a, b = FleetBridgeProcess(urls, fleet_env(redis_server.url)), FleetBridgeProcess(urls, fleet_env(redis_server.url))
-    try:
-        await asyncio.gather(a.ready(), b.ready())
-        yield a, b
-    finally:
-        await asyncio.gather(a.close(), b.close())
+) -> AsyncIterator[tuple[FleetBridgeProcess, ...]]:
+    async with bridge_pair([e.url for e in engines], fleet_env(redis_server.url)) as pair:
+        yield pair
 
 
 async def _fail_opens(bridge: FleetBridgeProcess) -> float:
@@ -67,7 +54,7 @@ async def _weight_versions(engines: list[StandinProcess]) -> list[str]:
 
 
 async def test_bridges_serve_on_without_redis_and_refuse_version_changes_until_it_is_back(
-    fleet: tuple[FleetBridgeProcess, FleetBridgeProcess],
+    fleet: tuple[FleetBridgeProcess, ...],
     engines: list[StandinProcess],
     redis_server: PrivateRedis,
     tmp_path: Path,

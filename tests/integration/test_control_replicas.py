@@ -20,13 +20,12 @@ from typing import Any
 import grpc
 import pytest
 
-from engines.launch import free_port
 from proto.primerl.v1 import control_pb2 as cpb
 from proto.primerl.v1 import control_pb2_grpc as cpb_grpc
 from proto.primerl.v1 import primerl_pb2 as pb
 from rl_client import AsyncBridgeClient
 from server.control import ControlServer, create_control_server
-from tests.integration.fleet_bridge import ROOT, FleetBridgeProcess, fleet_env
+from tests.integration.fleet_bridge import ROOT, FleetBridgeProcess, bridge_pair, fleet_env, standins
 from tests.integration.redis_proc import PrivateRedis
 from tests.standins.serve import StandinProcess
 
@@ -40,14 +39,8 @@ def _prompt(i: int) -> list[int]:
 
 @pytest.fixture
 def engines() -> Iterator[list[StandinProcess]]:
-    procs = [StandinProcess("sglang", free_port(), "--token-delay-s", "0.01") for _ in range(2)]
-    try:
-        for p in procs:
-            p.start()
+    with standins(2, "--token-delay-s", "0.01") as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @pytest.fixture
@@ -66,14 +59,9 @@ async def control(redis_server: PrivateRedis) -> AsyncIterator[tuple[ControlServ
 @pytest.fixture
 async def bridges(
     redis_server: PrivateRedis, engines: list[StandinProcess]
-) -> AsyncIterator[tuple[FleetBridgeProcess, FleetBridgeProcess]]:
-    env = fleet_env(redis_server.url)
-    a, b = FleetBridgeProcess([engines[0].url], env), FleetBridgeProcess([engines[0].url], env)
-    try:
-        await asyncio.gather(a.ready(), b.ready())
-        yield a, b
-    finally:
-        await asyncio.gather(a.close(), b.close())
+) -> AsyncIterator[tuple[FleetBridgeProcess, ...]]:
+    async with bridge_pair([engines[0].url], fleet_env(redis_server.url)) as pair:
+        yield pair
 
 
 async def _landed(clients: list[AsyncBridgeClient], n: int, offset: int) -> set[str]:
@@ -92,7 +80,7 @@ def _replica(model: str, url: str) -> cpb.ReplicaRequest:
 
 async def test_replicas_added_drained_and_removed_at_run_time(
     control: tuple[ControlServer, cpb_grpc.ControlAsyncStub],
-    bridges: tuple[FleetBridgeProcess, FleetBridgeProcess],
+    bridges: tuple[FleetBridgeProcess, ...],
     engines: list[StandinProcess],
     tmp_path: Path,
 ) -> None:

@@ -23,10 +23,9 @@ import redis.asyncio as aioredis
 from cache.config import CacheConfig
 from cache.fingerprint import Fingerprinter
 from cache.redis_index import RedisIndex
-from engines.launch import free_port
 from engines.salt import salt_text
 from rl_client.errors import BridgeError
-from tests.integration.fleet_bridge import FleetBridgeProcess, fleet_env
+from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env, standins
 from tests.integration.redis_proc import PrivateRedis
 from tests.standins.serve import StandinProcess
 
@@ -38,28 +37,17 @@ INDEX = CacheConfig(block_size=4)  # the routing index's layout (cache block siz
 @pytest.fixture
 def replicas() -> Iterator[list[StandinProcess]]:
     """Two replicas of the fleet and a reference server (never behind a bridge)."""
-    procs = [StandinProcess("sglang", free_port()) for _ in range(3)]
-    try:
-        for p in procs:
-            p.start()
+    with standins(3) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @pytest.fixture
 async def fleet(
     redis_server: PrivateRedis, replicas: list[StandinProcess]
-) -> AsyncIterator[tuple[FleetBridgeProcess, FleetBridgeProcess]]:
+) -> AsyncIterator[tuple[FleetBridgeProcess, ...]]:
     env = fleet_env(redis_server.url, PRIMERL_ADMISSION__MAX_STALENESS="1")
-    urls = [replicas[0].url, replicas[1].url]
-    a, b = FleetBridgeProcess(urls, env), FleetBridgeProcess(urls, env)
-    try:
-        await asyncio.gather(a.ready(), b.ready())
-        yield a, b
-    finally:
-        await asyncio.gather(a.close(), b.close())
+    async with bridge_pair([replicas[0].url, replicas[1].url], env) as pair:
+        yield pair
 
 
 async def _greedy_logprobs(url: str) -> list[Any]:
@@ -84,7 +72,7 @@ async def _indexed(r: aioredis.Redis, token_ids: list[int], salt: str) -> bool:
 
 
 async def test_update_through_a_is_adopted_by_b_before_its_next_token(
-    fleet: tuple[FleetBridgeProcess, FleetBridgeProcess],
+    fleet: tuple[FleetBridgeProcess, ...],
     replicas: list[StandinProcess],
     redis_server: PrivateRedis,
     tmp_path: Path,

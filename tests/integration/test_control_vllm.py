@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engines.launch import VllmProcess, provision_vllm
 from engines.model_store import ensure_converted
 from rl_client import AsyncBridgeClient
-from tests.integration.fleet_bridge import FleetBridgeProcess, fleet_env
+from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env
 from tests.integration.redis_proc import PrivateRedis
 from tests.integration.test_engine_vllm import perturbed_checkpoint
 
@@ -45,7 +45,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
 
 
 @pytest.fixture
-async def fleet(redis_server: PrivateRedis, vllm: tuple[str, Path]) -> AsyncIterator[list[FleetBridgeProcess]]:
+async def fleet(redis_server: PrivateRedis, vllm: tuple[str, Path]) -> AsyncIterator[tuple[FleetBridgeProcess, ...]]:
     env = fleet_env(
         redis_server.url,
         PRIMERL_ENGINE__TYPE="vllm",
@@ -54,12 +54,8 @@ async def fleet(redis_server: PrivateRedis, vllm: tuple[str, Path]) -> AsyncIter
         PRIMERL_ENGINE__VLLM__RESET_PREFIX_CACHE_ON_UPDATE="false",
         PRIMERL_PERSISTENCE__ENABLED="false",
     )
-    bridges = [FleetBridgeProcess([], env), FleetBridgeProcess([], env)]
-    try:
-        await asyncio.gather(*(b.ready(900) for b in bridges))
-        yield bridges
-    finally:
-        await asyncio.gather(*(b.close() for b in bridges))
+    async with bridge_pair([], env, timeout=900) as pair:
+        yield pair
 
 
 async def _hits(url: str) -> float:
@@ -80,7 +76,7 @@ async def _turn(client: AsyncBridgeClient) -> tuple[list[int], list[int]]:
 
 
 async def test_after_an_update_through_a_bridge_b_reuses_no_pre_update_kv(
-    fleet: list[FleetBridgeProcess], vllm: tuple[str, Path], tmp_path: Path
+    fleet: tuple[FleetBridgeProcess, ...], vllm: tuple[str, Path], tmp_path: Path
 ) -> None:
     a, b = fleet
     url, model_dir = vllm
