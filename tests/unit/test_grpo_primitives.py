@@ -122,3 +122,13 @@ def test_rl_config_layers_and_names_unknown_keys(tmp_path: Any) -> None:
     assert resumed.ckpt.keep_last == 2
     with pytest.raises(ConfigError, match="group_siz"):
         load_config(RLConfig, ["--rollout.group-siz", "3"])
+
+
+@pytest.mark.parametrize("layers", [["grpo.toml"], ["grpo.toml", "ppo.toml"], ["grpo.toml", "grpo_heldout.toml"]])
+def test_shipped_rl_configs_load(layers: list[str]) -> None:
+    from engines.layered_config import load_config
+    from grpo.cli import RLConfig
+
+    argv = [token for name in layers for token in ("@", f"examples/{name}")]
+    cfg = load_config(RLConfig, argv, env={})
+    assert cfg.trainer.temperature == cfg.rollout.temperature  # the on-policy ratio is 1 only when they match
