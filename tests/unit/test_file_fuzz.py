@@ -216,7 +216,7 @@ def test_llmserve_episode_logs() -> None:
         st.lists(st.tuples(st.sampled_from(keys), values), max_size=2),
         st.lists(st.tuples(st.sampled_from(action_keys), values), max_size=2),
     )
-    @SETTINGS
+    @settings(SETTINGS, max_examples=max(10, EXAMPLES // 4))  # each example replays a whole episode
     def one(changes: list[tuple[str, Any]], action_changes: list[tuple[str, Any]]) -> None:
         actions = [{**valid["actions"][0], **dict(action_changes)}, *valid["actions"][1:]]
         doc = {**valid, "actions": actions, **dict(changes)}
