@@ -13,7 +13,7 @@ Keys (``{p}`` = ``FleetConfig.key_prefix``)
 * ``{p}:model:{m}:replicas`` hash: engine replica URL -> JSON ``ReplicaRecord``.
 * ``{p}:model:{m}:stamp``: incremented by every write above, so a bridge checks for news with one GET.
 * ``{p}:bridge:{id}`` JSON ``BridgeRecord`` with a TTL (the heartbeat); ``{p}:bridges`` the set of ids.
-* ``{p}:episode:{id}``: the address of the bridge that owns the episode, with a TTL.
+* ``{p}:episode:{id}``: the address of the bridge that owns the episode (and its episode-lease token), with a TTL.
 
 Invariants
 ----------
@@ -365,19 +365,23 @@ class FleetStore:
 
     # -- episodes ---------------------------------------------------------------------------
 
-    async def own(self, episode_ids: list[str], address: str) -> None:
+    async def own(self, episode_ids: list[str], address: str, holder: str = "") -> None:
+        """Record ``address`` as the owner of the episodes; ``holder``: its episode-lease token (persistence),
+        so a bridge that finds the owner dead can break the lease that owner held, and only that one."""
+
         async def own() -> None:
             pipe = self.redis.pipeline(transaction=False)
             for e in episode_ids:
-                pipe.set(self._k("episode", e), address, ex=self.config.episode_ttl_s)
+                pipe.set(self._k("episode", e), f"{address} {holder}".strip(), ex=self.config.episode_ttl_s)
             await pipe.execute()
 
         await self._call("own episode", own)
 
-    async def owner(self, episode_id: str) -> str:
-        """The address of the bridge that owns the episode ('' when no bridge does)."""
+    async def owner(self, episode_id: str) -> tuple[str, str]:
+        """(address, lease token) of the bridge that owns the episode (('', '') when no bridge does)."""
         raw = await self._call("find owner", lambda: self.redis.get(self._k("episode", episode_id)))
-        return raw.decode() if raw is not None else ""
+        address, _, holder = (raw.decode() if raw is not None else "").partition(" ")
+        return address, holder
 
     async def disown(self, episode_id: str) -> None:
         await self._call("disown episode", lambda: self.redis.delete(self._k("episode", episode_id)))

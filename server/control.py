@@ -110,7 +110,7 @@ class ControlService(cpb_grpc.ControlServicer):
         async def work() -> cpb.LocateEpisodeResponse:
             if not request.episode_id:
                 raise InvalidArgument("episode_id is empty")
-            owner = await self.store.owner(request.episode_id)
+            owner, _ = await self.store.owner(request.episode_id)
             live = {b.address for b in await self.store.bridges()}
             return cpb.LocateEpisodeResponse(address=owner if owner in live else "")
 

@@ -288,7 +288,8 @@ class FleetMember:
 
     async def own(self, episode_ids: list[str]) -> None:
         try:
-            await self.store.own(episode_ids, self.address)
+            holder = self.bridge.journal.owner if self.bridge is not None and self.bridge.journal is not None else ""
+            await self.store.own(episode_ids, self.address, holder)
         except RegistryUnavailable as exc:
             self.failed_open(exc)
 

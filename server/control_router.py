@@ -8,13 +8,15 @@ to the bridge that owns it (issue 21: a trainer may call any bridge; never NOT_F
   forwarded there with ``server.forward`` (status, metadata and stream passed back unchanged), marked with
   ``primerl-fleet-forwarded-by`` so a call is never forwarded twice;
 * owner unreachable (its process died): with ``persistence.enabled`` this bridge takes the episode over from
-  Redis (the persistence lease guards against two bridges stepping it) and records itself as the owner;
+  Redis (the persistence lease guards against two bridges stepping it; a lease the dead bridge held for a Step
+  it was running is broken, compare-and-delete on its token) and records itself as the owner;
   without persistence the call fails UNAVAILABLE saying the episode died with its bridge;
 * registry unreachable: served here (fail open, counted by the membership).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -57,21 +59,23 @@ class FleetOwnerInterceptor(HandlerInterceptor):
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 
-    async def _owner(self, request: Any, context: grpc.aio.ServicerContext) -> str:
-        """The address of the other bridge to forward this call to, or '' to serve it here."""
+    async def _owner(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[str, str]:
+        """(address, lease token) of the other bridge to forward this call to; ('', '') to serve it here."""
         fleet, episode = self.bridge.fleet, getattr(request, "episode_id", "")
         if fleet is None or not episode or self.bridge.store.peek(episode) is not None:
-            return ""
+            return "", ""
         if any(key == FORWARDED_BY for key, _ in context.invocation_metadata() or ()):
-            return ""  # forwarded to us already: never a second hop
+            return "", ""  # forwarded to us already: never a second hop
         try:
-            owner = await fleet.store.owner(episode)
+            owner, holder = await fleet.store.owner(episode)
         except PrimeRLError as exc:
             fleet.failed_open(exc)
-            return ""
-        return owner if owner != fleet.address else ""
+            return "", ""
+        return (owner, holder) if owner != fleet.address else ("", "")
 
-    async def _unreachable(self, owner: str, request: Any, context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    async def _unreachable(
+        self, owner: str, holder: str, request: Any, context: grpc.aio.ServicerContext, exc: Exception
+    ) -> None:
         episode = getattr(request, "episode_id", "")
         if not self.persistence:
             log.warning("episode %s: its bridge %s is unreachable (%s)", episode, owner, exc)
@@ -81,6 +85,10 @@ class FleetOwnerInterceptor(HandlerInterceptor):
                 "its open episodes are lost with it",
             )
         log.warning("episode %s: its bridge %s is unreachable (%s); taking it over from Redis", episode, owner, exc)
+        journal = self.bridge.journal
+        if holder and journal is not None:  # a Step the dead bridge was running holds the lease: it never ends
+            with contextlib.suppress(PrimeRLError):  # Redis down: the lease expires by itself
+                await journal.break_lease(episode, holder)
         if self.bridge.fleet is not None:
             await self.bridge.fleet.own([episode])
 
@@ -91,14 +99,14 @@ class FleetOwnerInterceptor(HandlerInterceptor):
         forwarder = default_forwarder()
 
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            owner = await self._owner(request, context)
+            owner, holder = await self._owner(request, context)
             if owner:
                 try:
                     return await forwarder.unary(
                         owner, method, request, context, metadata=self._hop(), unreachable_raises=True
                     )
                 except OwnerUnreachable as exc:
-                    await self._unreachable(owner, request, context, exc)
+                    await self._unreachable(owner, holder, request, context, exc)
             return await behavior(request, context)
 
         return handle
@@ -107,7 +115,7 @@ class FleetOwnerInterceptor(HandlerInterceptor):
         forwarder = default_forwarder()
 
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            owner = await self._owner(request, context)
+            owner, holder = await self._owner(request, context)
             if owner:
                 try:
                     async for item in forwarder.stream(
@@ -116,7 +124,7 @@ class FleetOwnerInterceptor(HandlerInterceptor):
                         yield item
                     return
                 except OwnerUnreachable as exc:
-                    await self._unreachable(owner, request, context, exc)
+                    await self._unreachable(owner, holder, request, context, exc)
             async for item in behavior(request, context):
                 yield item
 

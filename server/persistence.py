@@ -219,5 +219,12 @@ class EpisodeJournal:
         script = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
         await self._call("release the lease", self._redis.eval(script, 1, self._key("lease", episode_id), self.owner))
 
+    async def break_lease(self, episode_id: str, holder: str) -> bool:
+        """Drop the lease ``holder`` (another bridge's ``owner``) holds, when that bridge is known dead (the fleet
+        router found it unreachable); compare-and-delete, so a lease a live bridge took since is kept."""
+        script = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+        key = self._key("lease", episode_id)
+        return bool(await self._call("break a dead bridge's lease", self._redis.eval(script, 1, key, holder)))
+
     async def close(self) -> None:
         await self._redis.aclose()

@@ -5,13 +5,14 @@ Two fleet bridges on one private Redis over two stand-in engine processes:
 * persistence off (the default): an episode started on A and stepped and ended through B (the client pinned to
   the non-owner) is served: B forwards each call to A, and the trajectory B returns holds every turn;
 * persistence on, a trainer given the control plane's address (``rl_client.AsyncFleetClient``): the bridge that
-  owns its episode is killed with SIGKILL between two Steps; the next Step fails UNAVAILABLE there once and is
-  sent to the other bridge, which takes the episode over from Redis; the trajectory is exactly what the
-  trainer saw.
+  owns its episode is killed with SIGKILL in the middle of a Step (holding the episode's lease); the Step fails
+  UNAVAILABLE there once and is sent to the other bridge, which breaks the dead bridge's lease and takes the
+  episode over from Redis; the trajectory is exactly what the trainer saw (the cut turn was never written).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -24,11 +25,12 @@ from tests.integration.redis_proc import PrivateRedis
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5] * 3
 SAMPLING = {"max_tokens": 6, "ignore_eos": True, "seed": 2}
+LONG = {"max_tokens": 400, "ignore_eos": True, "seed": 4}  # ~4 s at 10 ms a token
 
 
 @pytest.fixture
 def engines() -> Iterator[list[str]]:
-    with standins(2) as procs:
+    with standins(2, "--token-delay-s", "0.01") as procs:  # 10 ms a token: a long turn can be cut short
         yield [p.url for p in procs]
 
 
@@ -80,8 +82,11 @@ async def test_a_bridge_killed_mid_episode_its_episode_continues_through_another
         first = await trainer.step(ep)
         infos = [await b.client.server_info() for b in fleet]
         (owner,) = [b for b, info in zip(fleet, infos, strict=True) if info.open_episodes == 1]
-        owner.kill()
-        second = await trainer.step(ep, [9, 10])  # the owner is gone: sent once more, to the other bridge
+        running = asyncio.create_task(trainer.step(ep, [9, 10], sampling=LONG))
+        await asyncio.sleep(1.0)  # the owner is streaming the turn (it holds the episode's lease) ...
+        assert not running.done()
+        owner.kill()  # ... when it dies: the trainer's Step is sent once more, to the other bridge
+        second = await running
         third = await trainer.step(ep, [11])
         traj = await trainer.end_episode(ep)
         assert trainer.retries == 1  # the one UNAVAILABLE, retried on another bridge
@@ -89,4 +94,4 @@ async def test_a_bridge_killed_mid_episode_its_episode_continues_through_another
         await trainer.close()
     expected = [*PROMPT, *first.token_ids, 9, 10, *second.token_ids, 11, *third.token_ids]
     assert traj.token_ids.tolist() == expected
-    assert [t.finish_reason for t in traj.turns] == ["length"] * 3
+    assert [t.finish_reason for t in traj.turns] == ["length"] * 3 and len(second.token_ids) == 400
