@@ -1,4 +1,6 @@
-"""The floor and reference policies the grader normalises between.
+"""The agents: the floor and reference policies the grader normalises between, and PPO.
+
+``make_agent("ppo", weights=DIR)`` is the trained policy of ``envhub/llmserve/ppo.py``.
 
 ``RandomAgent`` (the floor): every field uniform over its range, from ``random.Random(seed)``.
 
@@ -65,9 +67,17 @@ class HeuristicAgent:
         )
 
 
-def make_agent(name: str, seed: int = 0) -> Agent:
+AGENTS = ("ppo", "heuristic", "random")
+
+
+def make_agent(name: str, seed: int = 0, weights: str | None = None) -> Agent:
+    """``ppo`` loads its per-task weights from ``weights`` (default ``envhub.llmserve.ppo.DEFAULT_OUT``)."""
     if name == "random":
         return RandomAgent(seed)
     if name == "heuristic":
         return HeuristicAgent()
-    raise ValueError(f"unknown agent {name!r}; agents: random, heuristic")
+    if name == "ppo":
+        from envhub.llmserve.ppo import PPOAgent  # torch only when asked for
+
+        return PPOAgent(weights)
+    raise ValueError(f"unknown agent {name!r}; agents: {', '.join(AGENTS)}")

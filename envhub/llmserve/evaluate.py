@@ -1,0 +1,63 @@
+"""The benchmark table: agents x tasks on fixed held-out seeds, mean return and mean grade.
+
+Seeds ``0 .. episodes-1`` by default: PPO trains on ``ppo.TRAIN_SEED_BASE`` and above, so these are
+never seen in training. Every episode is graded by ``grader.grade`` (replay, random floor 0,
+heuristic reference 0.5), so a table's grades are the ones ``/grader`` would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from envhub.llmserve.agents import make_agent
+from envhub.llmserve.grader import grade, run_agent
+from envhub.llmserve.tasks import TASKS, get_task
+
+
+@dataclass(frozen=True)
+class Cell:
+    agent: str
+    task_id: str
+    returns: list[float]
+    grades: list[float]
+
+    @property
+    def mean_return(self) -> float:
+        return float(np.mean(self.returns))
+
+    @property
+    def mean_grade(self) -> float:
+        return float(np.mean(self.grades))
+
+
+def resolve_tasks(task: str) -> list[str]:
+    if task == "all":
+        return list(TASKS)
+    get_task(task)  # unknown -> UnknownTaskError listing the tasks
+    return [task]
+
+
+def evaluate(agents: list[str], tasks: list[str], seeds: list[int], weights: str | None = None) -> list[Cell]:
+    cells = []
+    for task_id in tasks:
+        for name in agents:
+            returns, grades = [], []
+            for seed in seeds:
+                g = grade(run_agent(make_agent(name, seed, weights), task_id, seed))
+                returns.append(g.episode_return)
+                grades.append(g.score)
+            cells.append(Cell(name, task_id, returns, grades))
+    return cells
+
+
+def table(cells: list[Cell]) -> str:
+    """Markdown: one row per task and agent, with the margin of each agent's mean return over the next."""
+    lines = ["| task | agent | mean return | mean grade | margin (return) vs next |", "|---|---|---|---|---|"]
+    for task_id in dict.fromkeys(c.task_id for c in cells):
+        row = [c for c in cells if c.task_id == task_id]
+        for i, c in enumerate(row):
+            margin = f"{c.mean_return - row[i + 1].mean_return:+.3f} vs {row[i + 1].agent}" if i + 1 < len(row) else ""
+            lines.append(f"| {task_id} | {c.agent} | {c.mean_return:.3f} | {c.mean_grade:.3f} | {margin} |")
+    return "\n".join(lines)
