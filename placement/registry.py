@@ -11,6 +11,7 @@ Keys (``{p}`` = ``FleetConfig.key_prefix``)
   if the bridge running the update dies.
 * ``{p}:model:{m}:acks:{target}`` set: bridges that paused and drained for the update to ``target``.
 * ``{p}:model:{m}:replicas`` hash: engine replica URL -> JSON ``ReplicaRecord``.
+* ``{p}:model:{m}:down`` hash: replica URL -> unix time until which every bridge keeps it out (it failed).
 * ``{p}:model:{m}:stamp``: incremented by every write above, so a bridge checks for news with one GET.
 * ``{p}:bridge:{id}`` JSON ``BridgeRecord`` with a TTL (the heartbeat); ``{p}:bridges`` the set of ids.
 * ``{p}:episode:{id}``: the address of the bridge that owns the episode (and its episode-lease token), with a TTL.
@@ -69,6 +70,12 @@ class FleetConfig(BaseModel):
     update_timeout_s: float = Field(
         120.0, gt=0, le=3600, description="Longest a fleet-wide weight update may take (its pause expires after it)."
     )
+    replica_backoff_s: float = Field(
+        1.0,
+        gt=0,
+        le=600,
+        description="A replica that fails is out fleet-wide this long, doubling each time it fails.",
+    )
     episode_ttl_s: int = Field(3600, ge=10, description="An episode's owner record expires this long after it is set.")
 
 
@@ -117,6 +124,7 @@ class ModelRecord:
     weights: str = ""
     replicas: tuple[ReplicaRecord, ...] = ()
     update: Update | None = None
+    down: tuple[tuple[str, float], ...] = ()  # (replica URL, unix time it stays out until): failed somewhere
     read_at: float = field(default=0.0, compare=False)  # monotonic clock of the read
     stamp: int = field(default=-1, compare=False)  # ``{p}:model:{m}:stamp`` when read (see ``FleetStore.stamp``)
 
@@ -172,9 +180,10 @@ class FleetStore:
             pipe.hgetall(self._k("model", name, "update"))
             pipe.hgetall(self._k("model", name, "replicas"))
             pipe.get(self._k("model", name, "stamp"))
+            pipe.hgetall(self._k("model", name, "down"))
             return list(await pipe.execute())
 
-        head, upd, reps, stamp = await self._call("read model", read)
+        head, upd, reps, stamp, down = await self._call("read model", read)
         update = None
         if upd.get(b"target") and upd.get(b"token"):
             update = Update(int(upd[b"target"]), upd[b"token"].decode(), upd.get(b"mode", b"keep").decode())
@@ -185,9 +194,21 @@ class FleetStore:
             head.get(b"weights", b"").decode(),
             replicas,
             update,
+            tuple(sorted((url.decode(), float(until)) for url, until in down.items())),
             time.monotonic(),
             int(stamp or 0),
         )
+
+    async def mark_down(self, model: str, url: str, until: float) -> None:
+        """Replica ``url`` failed: every bridge keeps it out of rotation until unix time ``until`` (its backoff)."""
+
+        async def mark() -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hset(self._k("model", model, "down"), url, repr(until))
+            self._bump(pipe, model)
+            await pipe.execute()
+
+        await self._call("mark replica down", mark)
 
     async def stamp(self, name: str) -> int:
         """A counter bumped by every write to the model's record (one GET: the cheap check before each turn)."""

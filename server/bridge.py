@@ -152,7 +152,7 @@ class Bridge:
 
     def mark_replica(self, replica: int, healthy: bool, reason: str = "") -> None:
         """Take a replica out of rotation (a call failed, a health check did) or bring it back."""
-        if healthy and replica in self.withdrawn:  # drained or removed through the control plane: stays out
+        if healthy and replica in self.withdrawn:  # drained, removed or failed elsewhere in the fleet: stays out
             healthy, reason = False, self.withdrawn[replica]
         self.router.mark(replica, healthy, reason)
 

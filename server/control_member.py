@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -76,6 +77,9 @@ class FleetMember:
         self._registered = False
         self._down_until = 0.0  # turns skip the registry read until then (it just failed)
         self._adding: set[str] = set()  # replica URLs being added now
+        self._failures: dict[str, int] = {}  # replica URL -> times it failed (its fleet-wide backoff)
+        self._healthy: list[bool] = []  # the router's health per replica at the last look (watch_health)
+        self._tasks: set[asyncio.Task[None]] = set()  # registry writes in flight (owned: cancelled on close)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -88,6 +92,8 @@ class FleetMember:
         self._task = asyncio.create_task(self._run(), name=f"fleet-member-{self.id}")
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -162,6 +168,7 @@ class FleetMember:
         if record.version > bridge.policy_version:
             await self.adopt(record)
         await self.converge(record)
+        self.watch_health()
         if update is None and self._paused_for is not None:
             self._resume(f"the fleet is at version {record.version}")
 
@@ -199,11 +206,12 @@ class FleetMember:
                 self._registered = True
             return
         listed = {r.url: r for r in record.replicas}
+        down = {url for url, until in record.down if until > time.time()}
         for i, url in enumerate(urls):
             entry = listed.get(url)
-            state = "removed" if entry is None else entry.state
+            state = "removed" if entry is None else "down" if url in down else entry.state
             if state == "active" and i in bridge.withdrawn:
-                restore_replica(bridge, i)
+                restore_replica(bridge, i, confirm=bridge.withdrawn[i] == "down")
             elif state != "active" and bridge.withdrawn.get(i) != state:
                 await withdraw_replica(bridge, i, state, abort=state == "removed")
         for url in listed.keys() - set(urls) - self._adding:
@@ -242,6 +250,32 @@ class FleetMember:
             await engine.update_weights(WeightUpdate(record.weights, record.version))
         add_replica(self.bridge, engine)
         log.info("fleet: replica %s (%s) added at version %d", url, name, record.version)
+
+    def watch_health(self) -> None:
+        """A replica this bridge took out of rotation (a call or health check failed; not a withdrawal) goes out
+        fleet-wide for a backoff that doubles each time it fails again (``fleet.replica_backoff_s``, up to 64 x)."""
+        if self.bridge is None:
+            return
+        healthy = list(self.bridge.router.replicas.healthy)
+        for i, (was, now) in enumerate(zip(self._healthy, healthy, strict=False)):
+            if was and not now and i not in self.bridge.withdrawn:
+                self._replica_failed(str(getattr(self.bridge.engines[i], "url", "")))
+        self._healthy = healthy
+
+    def _replica_failed(self, url: str) -> None:
+        if not url:
+            return
+        n = self._failures[url] = self._failures.get(url, 0) + 1
+        until = time.time() + self.config.replica_backoff_s * 2 ** min(n - 1, 6)
+        task = asyncio.create_task(self._mark_down(url, until), name=f"fleet-mark-down-{url}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _mark_down(self, url: str, until: float) -> None:
+        try:
+            await self.store.mark_down(self.model, url, until)
+        except RegistryUnavailable as exc:
+            self.failed_open(exc)
 
     # -- fleet-wide weight update ---------------------------------------------------------------
 
@@ -307,7 +341,7 @@ class FleetMember:
 
 
 def update_record(record: ModelRecord, update: Update) -> ModelRecord:
-    return ModelRecord(record.name, record.version, record.weights, record.replicas, update, record.read_at)
+    return dataclasses.replace(record, update=update)
 
 
 def join_fleet(settings: Settings, model: str, port: int) -> FleetMember:
@@ -338,8 +372,10 @@ async def withdraw_replica(bridge: Bridge, replica: int, state: str, abort: bool
                 await engine.abort(request_id)
 
 
-def restore_replica(bridge: Bridge, replica: int) -> None:
-    """A drained or removed replica back in rotation (the next health check confirms it)."""
+def restore_replica(bridge: Bridge, replica: int, confirm: bool = False) -> None:
+    """A drained or removed replica back in rotation; with ``confirm`` (it had failed) only once its next health
+    check passes at the current version."""
     bridge.withdrawn.pop(replica, None)
     bridge.weights.removed.discard(replica)
-    bridge.router.mark(replica, True, "")
+    if not confirm:
+        bridge.router.mark(replica, True, "")
