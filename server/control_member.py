@@ -211,7 +211,7 @@ class FleetMember:
             entry = listed.get(url)
             state = "removed" if entry is None else "down" if url in down else entry.state
             if state == "active" and i in bridge.withdrawn:
-                restore_replica(bridge, i, confirm=bridge.withdrawn[i] == "down")
+                restore_replica(bridge, i, confirm=bridge.withdrawn[i] in ("down", "removed"))
             elif state != "active" and bridge.withdrawn.get(i) != state:
                 await withdraw_replica(bridge, i, state, abort=state == "removed")
         for url in listed.keys() - set(urls) - self._adding:
