@@ -25,6 +25,7 @@ SMALL = [
     "--rollout.turn-max-tokens", "[12, 4]",
     "--rollout.max-concurrent", "1",
     "--max-minutes", "0",
+    "--eval.problems", "0",
     "--log-level", "WARNING",
 ]  # fmt: skip
 

@@ -124,7 +124,7 @@ def test_rl_config_layers_and_names_unknown_keys(tmp_path: Any) -> None:
         load_config(RLConfig, ["--rollout.group-siz", "3"])
 
 
-@pytest.mark.parametrize("layers", [["grpo.toml"], ["grpo.toml", "ppo.toml"], ["grpo.toml", "grpo_heldout.toml"]])
+@pytest.mark.parametrize("layers", [["grpo.toml"], ["grpo.toml", "ppo.toml"]])
 def test_shipped_rl_configs_load(layers: list[str]) -> None:
     from engines.layered_config import load_config
     from grpo.cli import RLConfig
