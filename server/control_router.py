@@ -1,7 +1,8 @@
 """Fleet routing of episode calls: a Step or EndEpisode sent to a bridge that does not hold the episode goes
 to the bridge that owns it (issue 21: a trainer may call any bridge; never NOT_FOUND for a live episode).
 
-``FleetOwnerInterceptor`` (innermost, after auth) looks at calls whose request names an ``episode_id``:
+``FleetOwnerInterceptor`` (innermost, after auth; ``server.ownership``'s base, shared with bridge workers) looks at
+calls whose request names an ``episode_id``:
 
 * held here (``Bridge.store``): served here, no registry read (the common case costs one dict lookup);
 * owned by another bridge (``placement.registry``: episode -> owner address, written at StartEpisode):
@@ -17,115 +18,48 @@ to the bridge that owns it (issue 21: a trainer may call any bridge; never NOT_F
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from server.bridge import Bridge
 from server.errors import PrimeRLError
-from server.forward import OwnerUnreachable, default_forwarder, passthrough
-from server.handlers import HandlerInterceptor
+from server.ownership import Owner, OwnerInterceptorBase
 
-log = logging.getLogger("primerl.fleet")
 FORWARDED_BY = "primerl-fleet-forwarded-by"
 
 
-class FleetOwnerInterceptor(HandlerInterceptor):
+class FleetOwnerInterceptor(OwnerInterceptorBase):
     """Sends episode calls to the bridge that owns the episode (see module docstring)."""
 
+    hop_key = FORWARDED_BY
+    owner_kind = "bridge"
+
     def __init__(self, bridge: Bridge, persistence: bool) -> None:
+        super().__init__(persistence)
         self.bridge = bridge
-        self.persistence = persistence
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        method = details.method
-        if handler.request_streaming or not method.endswith(("/Step", "/EndEpisode")):
-            return handler
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        serializer = passthrough(handler.response_serializer)
-        if handler.response_streaming:
-            wrapped = grpc.unary_stream_rpc_method_handler(
-                self._stream(method, handler.unary_stream), handler.request_deserializer, serializer
-            )
-        else:
-            wrapped = grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary), handler.request_deserializer, serializer
-            )
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
+    def wraps(self, method: str) -> bool:
+        return method.endswith(("/Step", "/EndEpisode"))
 
-    async def _owner(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[str, str]:
-        """(address, lease token) of the other bridge to forward this call to; ('', '') to serve it here."""
-        fleet, episode = self.bridge.fleet, getattr(request, "episode_id", "")
-        if fleet is None or not episode or self.bridge.store.peek(episode) is not None:
-            return "", ""
-        if any(key == FORWARDED_BY for key, _ in context.invocation_metadata() or ()):
-            return "", ""  # forwarded to us already: never a second hop
+    async def owner(self, request: Any, context: grpc.aio.ServicerContext) -> Owner | None:
+        fleet, episode = self.bridge.fleet, request.episode_id
+        if fleet is None or self.bridge.store.peek(episode) is not None:
+            return None
         try:
             owner, holder = await fleet.store.owner(episode)
         except PrimeRLError as exc:
             fleet.failed_open(exc)
-            return "", ""
-        return (owner, holder) if owner != fleet.address else ("", "")
+            return None
+        return Owner(owner, owner, holder) if owner and owner != fleet.address else None
 
-    async def _unreachable(
-        self, owner: str, holder: str, request: Any, context: grpc.aio.ServicerContext, exc: Exception
-    ) -> None:
-        episode = getattr(request, "episode_id", "")
-        if not self.persistence:
-            log.warning("episode %s: its bridge %s is unreachable (%s)", episode, owner, exc)
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"episode {episode!r} belongs to bridge {owner}, which is unreachable; without persistence.enabled "
-                "its open episodes are lost with it",
-            )
-        log.warning("episode %s: its bridge %s is unreachable (%s); taking it over from Redis", episode, owner, exc)
-        journal = self.bridge.journal
-        if holder and journal is not None:  # a Step the dead bridge was running holds the lease: it never ends
-            with contextlib.suppress(PrimeRLError):  # Redis down: the lease expires by itself
-                await journal.break_lease(episode, holder)
-        if self.bridge.fleet is not None:
-            await self.bridge.fleet.own([episode])
-
-    def _hop(self) -> tuple[tuple[str, str], ...]:
+    def hop(self) -> tuple[tuple[str, str], ...]:
         return ((FORWARDED_BY, self.bridge.fleet.address if self.bridge.fleet is not None else ""),)
 
-    def _unary(self, method: str, behavior: Any) -> Callable[..., Any]:
-        forwarder = default_forwarder()
-
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            owner, holder = await self._owner(request, context)
-            if owner:
-                try:
-                    return await forwarder.unary(
-                        owner, method, request, context, metadata=self._hop(), unreachable_raises=True
-                    )
-                except OwnerUnreachable as exc:
-                    await self._unreachable(owner, holder, request, context, exc)
-            return await behavior(request, context)
-
-        return handle
-
-    def _stream(self, method: str, behavior: Any) -> Callable[..., AsyncIterator[Any]]:
-        forwarder = default_forwarder()
-
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            owner, holder = await self._owner(request, context)
-            if owner:
-                try:
-                    async for item in forwarder.stream(
-                        owner, method, request, context, metadata=self._hop(), unreachable_raises=True
-                    ):
-                        yield item
-                    return
-                except OwnerUnreachable as exc:
-                    await self._unreachable(owner, holder, request, context, exc)
-            async for item in behavior(request, context):
-                yield item
-
-        return handle
+    async def take_over(self, owner: Owner, episode: str) -> None:
+        journal = self.bridge.journal
+        if owner.token and journal is not None:  # a Step the dead bridge was running holds the lease: it never ends
+            with contextlib.suppress(PrimeRLError):  # Redis down: the lease expires by itself
+                await journal.break_lease(episode, owner.token)
+        if self.bridge.fleet is not None:
+            await self.bridge.fleet.own([episode])

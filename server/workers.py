@@ -40,7 +40,6 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -48,8 +47,8 @@ from typing import Any
 import grpc
 
 from server.config import Settings
-from server.forward import OwnerUnreachable, default_forwarder, forwarded_metadata, passthrough
-from server.handlers import HandlerInterceptor
+from server.forward import default_forwarder, forwarded_metadata
+from server.ownership import Owner, OwnerInterceptorBase
 from server.service import ACCEPTED_METADATA
 
 log = logging.getLogger("primerl.workers")
@@ -123,66 +122,41 @@ class WorkerSlot:
         return OwnerInterceptor(self, persistence)
 
 
-def _forwarded(context: grpc.aio.ServicerContext) -> bool:
-    return any(key == FORWARDED_BY for key, _ in context.invocation_metadata() or ())
-
-
-class OwnerInterceptor(HandlerInterceptor):
+class OwnerInterceptor(OwnerInterceptorBase):
     """Runs a call for an episode on the worker that owns it (innermost: after auth, inside telemetry)."""
 
+    hop_key = FORWARDED_BY
+    owner_kind = "bridge worker"
+
     def __init__(self, slot: WorkerSlot, persistence: bool) -> None:
+        super().__init__(persistence)
         self.slot = slot
-        self.persistence = persistence
         self.me = str(slot.index)
         self._hop = ((FORWARDED_BY, self.me),)
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._broadcasts = slot.broadcast_weights and slot.count > 1
 
-    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        method = details.method
-        if handler.request_streaming or method.startswith("/grpc."):
-            return handler
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        if handler.response_streaming:
-            wrapped = grpc.unary_stream_rpc_method_handler(
-                self._stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=passthrough(handler.response_serializer),
-            )
-        else:
-            wrapped = grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=passthrough(handler.response_serializer),
-            )
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
+    def wraps(self, method: str) -> bool:
+        return not method.startswith("/grpc.")
 
-    def _owner(self, request: Any, context: grpc.aio.ServicerContext) -> int | None:
-        """The other worker to forward this call to, or None to run it here."""
-        owner = self.slot.owner_of(getattr(request, "episode_id", ""))
+    async def owner(self, request: Any, context: grpc.aio.ServicerContext) -> Owner | None:
+        owner = self.slot.owner_of(request.episode_id)
         if owner is None or owner == self.slot.index:
             return None
-        if _forwarded(context):
-            return None  # forwarded to us already: never a second hop
-        return owner
+        return Owner(self.slot.addresses[owner], str(owner))
 
-    def _served_here(self, context: grpc.aio.ServicerContext) -> None:
+    def hop(self) -> tuple[tuple[str, str], ...]:
+        return self._hop
+
+    def served_here(self, context: grpc.aio.ServicerContext) -> None:
         trailers: list[tuple[str, Any]] = [(WORKER_TRAILER, self.me)]
         trailers += [(k, v) for k, v in context.invocation_metadata() or () if k == FORWARDED_BY]
         context.set_trailing_metadata(tuple(trailers))
 
-    async def _unreachable(self, owner: int, request: Any, context: grpc.aio.ServicerContext, exc: Exception) -> None:
-        episode = getattr(request, "episode_id", "")
-        if not self.persistence:
-            log.warning("episode %s: its worker %d is unreachable (%s)", episode, owner, exc)
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"episode {episode!r} belongs to bridge worker {owner}, which is not running (it died and is "
-                "being restarted); without persistence.enabled its open episodes were lost with it",
-            )
-        log.warning("episode %s: its worker %d is unreachable (%s); taking it over from Redis", episode, owner, exc)
+    async def run_here(self, method: str, behavior: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        response = await behavior(request, context)
+        if self._broadcasts and method == UPDATE_WEIGHTS and not self.forwarded(context):
+            await self._broadcast(method, request, response, context)
+        return response
 
     async def _broadcast(self, method: str, request: Any, response: Any, context: grpc.aio.ServicerContext) -> None:
         """After UpdateWeights ran here: the same version on every other worker (each has its own engines)."""
@@ -212,50 +186,6 @@ class OwnerInterceptor(HandlerInterceptor):
             f"weights updated to version {response.policy_version} on bridge worker {self.me} but not on {errors}; "
             "those workers keep the old weights until an update reaches them",
         )
-
-    def _unary(self, method: str, behavior: Any) -> Callable[..., Any]:
-        forwarder = default_forwarder()
-        broadcast = self.slot.broadcast_weights and method == UPDATE_WEIGHTS and self.slot.count > 1
-
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if broadcast and not _forwarded(context):
-                response = await behavior(request, context)
-                await self._broadcast(method, request, response, context)
-                return response
-            owner = self._owner(request, context)
-            if owner is not None:
-                target = self.slot.addresses[owner]
-                try:
-                    return await forwarder.unary(
-                        target, method, request, context, metadata=self._hop, unreachable_raises=True
-                    )
-                except OwnerUnreachable as exc:
-                    await self._unreachable(owner, request, context, exc)
-            self._served_here(context)
-            return await behavior(request, context)
-
-        return handle
-
-    def _stream(self, method: str, behavior: Any) -> Callable[..., AsyncIterator[Any]]:
-        forwarder = default_forwarder()
-
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            owner = self._owner(request, context)
-            if owner is not None:
-                target = self.slot.addresses[owner]
-                try:
-                    async for item in forwarder.stream(
-                        target, method, request, context, metadata=self._hop, unreachable_raises=True
-                    ):
-                        yield item
-                    return
-                except OwnerUnreachable as exc:
-                    await self._unreachable(owner, request, context, exc)
-            self._served_here(context)
-            async for item in behavior(request, context):
-                yield item
-
-        return handle
 
 
 def _die_with_parent() -> None:
