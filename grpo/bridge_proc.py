@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,12 +43,19 @@ def bridge_process(
             client.wait_until_ready(timeout)
         yield target
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
 
-__all__ = ["bridge_process", "free_port"]
+def terminate(proc: subprocess.Popen[Any], timeout: float = 60.0) -> None:
+    """Stop a child gracefully (SIGTERM: a bridge drains its Steps), then SIGKILL after ``timeout``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+__all__ = ["bridge_process", "free_port", "terminate"]

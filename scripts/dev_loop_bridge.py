@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The checkout, not scripts/ (whose grpc_health.py would shadow the package), is what imports resolve against.
 sys.path[0] = str(ROOT)
 
-from grpo.bridge_proc import free_port  # noqa: E402
+from grpo.bridge_proc import free_port, terminate  # noqa: E402
 from rl_client import BridgeClient, Trajectory  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "What is 2+2? Answer with the number."}]
@@ -38,16 +37,6 @@ def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("wb") as sink:
         return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout: float = 30.0) -> bytes:
@@ -106,7 +95,7 @@ def score(traj: Trajectory, answer: str, work: Path, log: Path) -> dict[str, Any
         body = {"grader": "exact", "trajectory": trajectory_json(traj), "params": {"answer": answer, "reference": "4"}}
         return dict(json.loads(http(f"http://127.0.0.1:{port}/v1/score", body)))
     finally:
-        stop(proc)
+        terminate(proc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         traj, answer = run_episodes(grpc_port, args.episodes)
         scrape = http(f"http://127.0.0.1:{metrics_port}/metrics").decode()
     finally:
-        stop(bridge)
+        terminate(bridge)
     (args.out / "metrics_scrape.txt").write_text(scrape)
     print(f"{args.episodes} episodes through the bridge; /metrics scraped ({len(scrape.splitlines())} lines)")
     with tempfile.TemporaryDirectory() as work:
