@@ -3,8 +3,8 @@
 ``primerl rl @ examples/grpo.toml --max-steps 6 --ckpt --ckpt.interval 3``, then ``--max-steps 10
 --ckpt.resume-step 6``: steps 7-10 of the resumed run (a fresh bridge child, given the checkpoint's weights
 under the checkpoint's policy version) have the losses and rewards of an uninterrupted 10-step run. The
-rollouts are shrunk (groups of 2, short turns, one episode at a time so the engine's batching is the same
-in every run) to keep the test short; everything else is the shipped example config.
+rollouts are shrunk (groups of 4 on the two-operand task, short turns, one episode at a time so the engine's
+batching is the same in every run) to keep the test short; everything else is the shipped example config.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
-    "--rollout.group-size", "2",
+    "--task.ops", "+-",  # make run's task is the hard one; on this one groups of 4 disagree, so steps 7-10 train
+    "--task.operands", "2",
+    "--rollout.group-size", "4",
     "--rollout.turn-max-tokens", "[12, 4]",
     "--rollout.max-concurrent", "1",
     "--max-minutes", "0",
