@@ -5,7 +5,8 @@ length ``n`` costs ``a + b*n + c*n^2`` ms, a decode iteration over ``B`` sequenc
 ``a + b*B*ctx + c*B`` ms. This script measures exactly the forward passes the embedded engine runs
 (``engines/embedded.py``: one prefill forward per sequence; one batched decode forward over the left-packed
 caches, ``engines.kvcache.pack_left``) for SmolLM2-135M on torch CPU over a grid of shapes, keeps the
-minimum of ``--repeats`` timings per shape (the least disturbed by other load), fits the coefficients by
+minimum of ``--repeats`` timings per shape, taken round-robin over the shapes (the least disturbed by other
+load), fits the coefficients by
 non-negative least squares (``scipy.optimize.nnls``) on the training shapes, and checks the fit on held-out
 shapes (every third shape of each grid, never used in the fit): target max relative error <= 20 %.
 
@@ -40,16 +41,21 @@ DECODE_SHAPES = tuple((b, ctx) for b in (1, 2, 4, 8) for ctx in (32, 64, 128, 25
 TARGET_ERROR = 0.20
 
 
-def _min_ms(fn: Callable[[], Any], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, (time.perf_counter() - t0) * 1000)
+def min_ms(steps: dict[Any, Callable[[], Any]], repeats: int, desc: str) -> dict[Any, float]:
+    """The minimum time of each step over ``repeats`` rounds; a round runs every shape once (round-robin), so a
+    burst of load elsewhere on the machine spoils one timing of many shapes rather than every timing of one."""
+    from tqdm import tqdm
+
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in tqdm(range(repeats), desc=desc):
+        for shape, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            best[shape] = min(best[shape], (time.perf_counter() - t0) * 1000)
     return best
 
 
-def measure_prefill(model: Any, repeats: int, n: int) -> float:
+def prefill_step(model: Any, n: int) -> Callable[[], None]:
     import torch
 
     ids = torch.arange(100, 100 + n).unsqueeze(0)
@@ -57,10 +63,10 @@ def measure_prefill(model: Any, repeats: int, n: int) -> float:
     def once() -> None:
         forward_with_cache(model, new_cache(model.config), input_ids=ids, use_cache=True, logits_to_keep=1)
 
-    return _min_ms(once, repeats)
+    return once
 
 
-def measure_decode(model: Any, repeats: int, batch: int, ctx: int) -> float:
+def decode_step(model: Any, batch: int, ctx: int) -> Callable[[], None]:
     import torch
 
     caches = []
@@ -80,7 +86,7 @@ def measure_decode(model: Any, repeats: int, batch: int, ctx: int) -> float:
         forward_with_cache(model, cache, **kwargs)
         pos += 1
 
-    return _min_ms(once, repeats)
+    return once
 
 
 def _fit(rows: np.ndarray, times: np.ndarray) -> np.ndarray:
@@ -127,14 +133,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the engine's default)")
     args = parser.parse_args()
     import torch
-    from tqdm import tqdm
 
     config = EmbeddedConfig(num_threads=args.threads) if args.threads else EmbeddedConfig()
     model = load_model(config, "").model
     with torch.inference_mode():
-        measure_prefill(model, 2, 64)  # warm-up (allocator, kernels)
-        prefill = {s: measure_prefill(model, args.repeats, *s) for s in tqdm(PREFILL_SHAPES, desc="prefill shapes")}
-        decode = {s: measure_decode(model, args.repeats, *s) for s in tqdm(DECODE_SHAPES, desc="decode shapes")}
+        prefill_step(model, 64)()  # warm-up (allocator, kernels)
+        prefill = min_ms({s: prefill_step(model, *s) for s in PREFILL_SHAPES}, args.repeats, "prefill rounds")
+        decode = min_ms({s: decode_step(model, *s) for s in DECODE_SHAPES}, args.repeats, "decode rounds")
     pc, p_held = evaluate("prefill", PREFILL_SHAPES, prefill, prefill_row)
     dc, d_held = evaluate("decode", DECODE_SHAPES, decode, decode_row)
     held = p_held + d_held
@@ -162,7 +167,7 @@ def main() -> None:
     rows.append(("max held-out relative error", f"{worst * 100:.1f} %", f"<= 20 % {verdict}"))
     notes = (
         f"{len(PREFILL_SHAPES)} prefill lengths and {len(DECODE_SHAPES)} decode (batch, context) shapes, minimum of "
-        f"{args.repeats} timings each; every third shape held out of the fit. Coefficients written to "
+        f"{args.repeats} round-robin timings each; every third shape held out of the fit. Coefficients written to "
         f"{COEFFS_FILE.relative_to(Path(__file__).resolve().parents[1])}."
     )
     record("llmserve_fit", "LLMServeEnv cost coefficients fitted to the embedded engine", rows,
