@@ -13,7 +13,7 @@ import importlib.resources
 import json
 from pathlib import Path
 
-from engines.errors import InvalidArgument
+from engines.errors import FailedPrecondition
 from envhub.base import Task
 
 
@@ -33,19 +33,24 @@ SITE_DIR = DATA_DIR / "site"
 TASKS_DIR = DATA_DIR / "tasks"
 
 
+class TaskFileError(FailedPrecondition):
+    """A task file the operator configured is missing or malformed: the environment cannot start (not the
+    caller's bad input, so FAILED_PRECONDITION); the message names the file, and the task and field when known."""
+
+
 def load_tasks(name: str, tasks_dir: str = "") -> tuple[Task, ...]:
     """Tasks from ``<tasks_dir or envhub/data/tasks>/<name>.json`` (a list of task_id/question/reference)."""
     path = (Path(tasks_dir) if tasks_dir else TASKS_DIR) / f"{name}.json"
     try:
         rows = json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:  # missing/unreadable, not JSON, not UTF-8
-        raise InvalidArgument(f"task file {path}: cannot be read as JSON: {exc}") from None
+        raise TaskFileError(f"task file {path}: cannot be read as JSON: {exc}") from None
     if not isinstance(rows, list):
-        raise InvalidArgument(f"task file {path}: must be a JSON list of {{{', '.join(_TASK_FIELDS)}}} objects")
+        raise TaskFileError(f"task file {path}: must be a JSON list of {{{', '.join(_TASK_FIELDS)}}} objects")
     for i, r in enumerate(rows):
         bad = [k for k in _TASK_FIELDS if not isinstance(r, dict) or not isinstance(r.get(k), str)]
         if bad:
-            raise InvalidArgument(f"task file {path}: task [{i}]: {', '.join(bad)}: missing or not a string")
+            raise TaskFileError(f"task file {path}: task [{i}]: {', '.join(bad)}: missing or not a string")
     return tuple(Task(task_id=r["task_id"], question=r["question"], reference=r["reference"]) for r in rows)
 
 

@@ -2,8 +2,9 @@
 
 Every file a user writes is read by one loader, and for any input the loader either returns a validated value or
 raises its one documented error with a message (``ConfigError`` for the bridge's TOML, ``InvalidArgument`` for
-sandbox policies and task files, pydantic's ``ValidationError`` / the grader's errors for LLMServeEnv episode
-logs): never another exception, never a traceback in place of a message.
+sandbox policies, ``TaskFileError`` (FAILED_PRECONDITION: the operator's file) for task files, pydantic's
+``ValidationError`` / the grader's errors for LLMServeEnv episode logs): never another exception, never a
+traceback in place of a message.
 
 Inputs are built from each schema (real keys with values of any TOML type, unknown keys, wrong nesting) and from
 raw bytes (not UTF-8, not TOML, not YAML, not JSON). ``PRIMERL_FUZZ_EXAMPLES`` sets the examples per test.
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from engines.errors import InvalidArgument
 from engines.layered_config import ConfigError, _all_paths
-from envhub.envs._data import load_tasks
+from envhub.envs._data import TaskFileError, load_tasks
 from envhub.policies import load_policy
 from envhub.policies.model import SandboxPolicy
 from server.config import Settings, load_settings
@@ -170,7 +171,7 @@ def _load_tasks(data: bytes) -> None:
         (Path(tmp) / "sql_qa.json").write_bytes(data)
         try:
             tasks = load_tasks("sql_qa", tmp)
-        except InvalidArgument as exc:
+        except TaskFileError as exc:
             assert "sql_qa.json" in exc.message, exc.message
             return
         assert all(isinstance(t.task_id, str) and isinstance(t.question, str) for t in tasks)
@@ -190,7 +191,7 @@ def test_task_files_bundled_load_and_bad_ones_name_the_task_and_field(tmp_path: 
     assert load_tasks("sql_qa", str(tmp_path)) == bundled
     rows[1]["reference"] = 3
     (tmp_path / "sql_qa.json").write_text(json.dumps(rows))
-    with pytest.raises(InvalidArgument, match=r"sql_qa.json: task \[1\]: reference: missing or not a string"):
+    with pytest.raises(TaskFileError, match=r"sql_qa.json: task \[1\]: reference: missing or not a string"):
         load_tasks("sql_qa", str(tmp_path))
 
 
