@@ -109,10 +109,8 @@ class Forwarder:
         unreachable_raises: bool = False,
     ) -> Any:
         """Run unary ``method`` on ``target`` for the call ``context`` is serving; return its response."""
-        rpc = self.channel(target).unary_unary(
-            method, request_serializer=_identity, response_deserializer=response_deserializer or _identity
-        )
-        call = rpc(_payload(request), timeout=context.time_remaining(), metadata=forwarded_metadata(context, metadata))
+        start = self.channel(target).unary_unary(method, _identity, response_deserializer or _identity)
+        call = _replay(start, request, context, metadata)
         try:
             response = await call
         except asyncio.CancelledError:
@@ -136,10 +134,8 @@ class Forwarder:
         unreachable_raises: bool = False,
     ) -> AsyncIterator[Any]:
         """Run server-streaming ``method`` on ``target``; yield its responses as they arrive."""
-        rpc = self.channel(target).unary_stream(
-            method, request_serializer=_identity, response_deserializer=response_deserializer or _identity
-        )
-        call = rpc(_payload(request), timeout=context.time_remaining(), metadata=forwarded_metadata(context, metadata))
+        start = self.channel(target).unary_stream(method, _identity, response_deserializer or _identity)
+        call = _replay(start, request, context, metadata)
         headers: Any = ()
         try:
             headers = await call.initial_metadata()
@@ -153,6 +149,11 @@ class Forwarder:
         finally:
             if not call.done():  # the caller left (or the consumer stopped early): stop the owner's work
                 call.cancel()
+
+
+def _replay(start: Any, request: Any, context: grpc.aio.ServicerContext, metadata: Metadata) -> Any:
+    """Start the call being served on the owner: its bytes, its remaining deadline, the caller's metadata."""
+    return start(_payload(request), timeout=context.time_remaining(), metadata=forwarded_metadata(context, metadata))
 
 
 async def _pass_metadata(context: grpc.aio.ServicerContext, initial: Any, trailing: Any) -> None:
