@@ -254,6 +254,7 @@ class AsyncBridgeClient:
         logprobs: list[float] = []
         origins: list[str] = []
         raw: list[float] = []
+        last: Chunk | None = None
         try:
             async for c in call:
                 names = [ORIGINS[o] for o in c.origins]
@@ -262,11 +263,22 @@ class AsyncBridgeClient:
                 origins.extend(names)
                 raw.extend(c.raw_logprobs)
                 done = _turn_result(ids, logprobs, origins, c.done, raw) if c.HasField("done") else None
-                yield Chunk(list(c.token_ids), list(c.logprobs), names, c.text, done, list(c.raw_logprobs))
+                chunk = Chunk(list(c.token_ids), list(c.logprobs), names, c.text, done, list(c.raw_logprobs))
+                if done is None:
+                    yield chunk
+                    continue
+                # The final chunk is held until the call's status arrives (it follows at once): a caller that
+                # stops at ``done`` then leaves a finished call, not a live one this generator must cancel. A
+                # cancel that races the bridge's final status makes grpc.aio leak native memory on both sides
+                # (grpc/grpc#43360: the failed status batch's grpc_op array is never freed).
+                last = chunk
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         finally:
-            call.cancel()
+            if not call.done():  # the caller stopped early: stop the bridge's work
+                call.cancel()
+        if last is not None:
+            yield last
 
     async def step(
         self,
@@ -279,14 +291,17 @@ class AsyncBridgeClient:
         """Run one turn and return it whole."""
         req = self._step_request(episode_id, observation, sampling, stream=False)
         call = self._stub.Step(req, timeout=timeout or self.timeout, metadata=self._metadata)
+        result: TurnResult | None = None
         try:
-            async for c in call:
+            async for c in call:  # read to the call's status, never leave it live (see stream_step)
                 if c.HasField("done"):
                     origins = [ORIGINS[o] for o in c.origins]
-                    return _turn_result(list(c.token_ids), list(c.logprobs), origins, c.done, list(c.raw_logprobs))
+                    result = _turn_result(list(c.token_ids), list(c.logprobs), origins, c.done, list(c.raw_logprobs))
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
-        raise BridgeError(grpc.StatusCode.INTERNAL, "the bridge ended the Step stream without a final chunk")
+        if result is None:
+            raise BridgeError(grpc.StatusCode.INTERNAL, "the bridge ended the Step stream without a final chunk")
+        return result
 
     async def end_episode(
         self,

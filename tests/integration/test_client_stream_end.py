@@ -1,0 +1,81 @@
+"""A caller that stops at a streamed Step's final chunk leaves a finished call, not a cancelled one.
+
+``stream_step`` yields the chunk with ``done`` only after the call's status has arrived, and ``step`` reads the
+call to its status. Otherwise stopping at ``done`` cancels a call whose status is still on its way: the server
+then sends that status on a cancelled call, the batch fails, and grpc.aio never frees it (grpc/grpc#43360: ~100
+bytes of native heap per Step; in the soak that was the bridge's RSS slope). The server here is a real gRPC
+server on a free port whose Step sends its final chunk and then takes a while to finish, so a client that
+cancels at ``done`` is seen cancelling every time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from proto.primerl.v1 import primerl_pb2 as pb
+from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
+from rl_client import AsyncBridgeClient
+
+LINGER_S = 0.3  # between the final chunk and the handler's return (the status)
+
+
+class SlowToFinish(pb_grpc.PrimeRLServicer):
+    def __init__(self) -> None:
+        self.ended: list[str] = []  # per Step: "ok" (ran to its end) or "cancelled" (the client cancelled it)
+
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepChunk]:
+        try:
+            yield pb.StepChunk(token_ids=[5], logprobs=[-0.5], text="a")
+            final = pb.StepChunk(token_ids=[6], logprobs=[-0.25])
+            final.done.finish_reason = pb.FINISH_REASON_LENGTH
+            yield final
+            await asyncio.sleep(LINGER_S)
+        except asyncio.CancelledError:  # how a grpc.aio handler learns that its client cancelled
+            self.ended.append("cancelled")
+            raise
+        self.ended.append("ok")
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[SlowToFinish, int]]:
+    servicer = SlowToFinish()  # type: ignore[abstract]  # serves Step only
+    srv = grpc.aio.server()
+    pb_grpc.add_PrimeRLServicer_to_server(servicer, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    try:
+        yield servicer, port
+    finally:
+        await srv.stop(0)
+
+
+async def test_stopping_at_done_leaves_a_finished_call(server) -> None:  # type: ignore[no-untyped-def]
+    servicer, port = server
+    async with AsyncBridgeClient(f"127.0.0.1:{port}", timeout=10) as client:
+        for _ in range(3):
+            chunks = []
+            async for chunk in client.stream_step("ep"):
+                chunks.append(chunk)
+                if chunk.done is not None:
+                    break  # what a trainer does
+            assert [c.token_ids for c in chunks] == [[5], [6]]
+            assert chunks[-1].done is not None and list(chunks[-1].done.token_ids) == [5, 6]
+            turn = await client.step("ep")
+            assert list(turn.token_ids) == [6]
+        await asyncio.sleep(LINGER_S + 0.2)
+    assert servicer.ended == ["ok"] * 6
+
+
+async def test_a_caller_that_leaves_mid_stream_still_cancels_the_call(server) -> None:  # type: ignore[no-untyped-def]
+    servicer, port = server
+    async with AsyncBridgeClient(f"127.0.0.1:{port}", timeout=10) as client:
+        stream = client.stream_step("ep")
+        first = await anext(stream)
+        assert first.token_ids == [5] and first.done is None
+        await stream.aclose()  # left before the final chunk
+        await asyncio.sleep(LINGER_S + 0.2)
+    assert servicer.ended == ["cancelled"]
