@@ -2,9 +2,11 @@
 
 ``primerl rl @ examples/grpo.toml --max-steps 6 --ckpt --ckpt.interval 3``, then ``--max-steps 10
 --ckpt.resume-step 6``: steps 7-10 of the resumed run (a fresh bridge child, given the checkpoint's weights
-under the checkpoint's policy version) have the losses and rewards of an uninterrupted 10-step run. The
-rollouts are shrunk (groups of 4 on the two-operand task, short turns, one episode at a time so the engine's
-batching is the same in every run) to keep the test short; everything else is the shipped example config.
+under the checkpoint's policy version) have the losses, gradient norms and rewards of an uninterrupted 10-step
+run. The rollouts are shrunk (groups of 4, one episode at a time so the engine's batching is the same in every
+run, no held-out evaluation) to keep the test short; everything else is the shipped example config, whose task
+the untrained model mostly fails, so most steps' groups disagree and train (non-zero gradients in steps 7-10
+are checked: restoring the optimizer's moments is exercised, not only the weights).
 """
 
 from __future__ import annotations
@@ -21,10 +23,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
-    "--task.ops", "+-",  # make run's task is the hard one; on this one groups of 4 disagree, so steps 7-10 train
-    "--task.operands", "2",
     "--rollout.group-size", "4",
-    "--rollout.turn-max-tokens", "[12, 4]",
     "--rollout.max-concurrent", "1",
     "--max-minutes", "0",
     "--eval.problems", "0",
@@ -40,13 +39,6 @@ def primerl_rl(out: Path, *flags: str) -> list[dict[str, float]]:
 
 
 @pytest.mark.timeout(3000)
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 23, acceptance 2 not shown yet: steps 7-10 of the resumed and the uninterrupted run are equal, but "
-    "in this configuration every group's rewards tie in steps 7-10 (loss 0, grad_norm 0), so the guard that the "
-    "compared steps carry a learning signal fails and optimizer-state restoration is not exercised (fresh-clone "
-    "make test, 2026-11-25). strict: the run fails the moment the test starts passing, so the mark is removed then.",
-)
 def test_resumed_steps_equal_an_uninterrupted_run(tmp_path: Path) -> None:
     first = primerl_rl(tmp_path / "a", "--max-steps", "6", "--ckpt", "--ckpt.interval", "3")
     assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
@@ -55,8 +47,9 @@ def test_resumed_steps_equal_an_uninterrupted_run(tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # one metrics file per run directory
     straight = primerl_rl(tmp_path / "b", "--max-steps", "10")
     assert [r["step"] for r in straight] == list(range(1, 11))
-    keys = ("reward", "loss", "policy_version", "trained_tokens", "clip_frac")
+    keys = ("reward", "reward_std", "loss", "grad_norm", "policy_version", "trained_tokens", "clip_frac")
     for got, want in zip(resumed[6:], straight[6:], strict=True):
         assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, (got["step"], got, want)
-    # the learning signal was not trivially zero: some step of 7-10 trained on a non-zero loss
-    assert any(r["loss"] != 0.0 for r in straight[6:]) or any(r["grad_norm"] > 0 for r in straight[6:])
+    # the compared steps trained: a group whose rewards differed has a non-zero gradient (GRPO's loss value itself
+    # is ~0 by construction, a group's advantages sum to zero); seeded, steps 7-9 train and step 10's group ties
+    assert sum(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in straight[6:]) >= 2, straight[6:]
