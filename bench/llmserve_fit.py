@@ -2,13 +2,13 @@
 
 The simulator prices engine steps in DistServe's form (``envhub/llmserve/profiles.py``): a prefill of prompt
 length ``n`` costs ``a + b*n + c*n^2`` ms, a decode iteration over ``B`` sequences of context ``ctx`` costs
-``a + b*B*ctx + c*B`` ms. This script measures exactly the forward passes the embedded engine runs
-(``engines/embedded.py``: one prefill forward per sequence; one batched decode forward over the left-packed
-caches, ``engines.kvcache.pack_left``) for SmolLM2-135M on torch CPU over a grid of shapes, keeps the
-minimum of ``--repeats`` timings per shape, taken round-robin over the shapes (the least disturbed by other
-load), fits the coefficients by
-non-negative least squares (``scipy.optimize.nnls``) on the training shapes, and checks the fit on held-out
-shapes (every third shape of each grid, never used in the fit): target max relative error <= 20 %.
+``a + b*B*ctx + c*B + d*[B > 1]`` ms (``d``: the CPU's GEMM-instead-of-GEMV step, see ``profiles``). This
+script measures exactly the forward passes the embedded engine runs (``engines/embedded.py``: one prefill
+forward per sequence; one batched decode forward over the left-packed caches, ``engines.kvcache.pack_left``)
+for SmolLM2-135M on torch CPU over a grid of shapes, keeps the minimum of ``--repeats`` timings per shape,
+taken round-robin over the shapes (the least disturbed by other load), fits the coefficients by non-negative
+least squares (``scipy.optimize.nnls``) on the training shapes, and checks the fit on held-out shapes (every
+third shape of each grid, never used in the fit): target max relative error <= 20 %.
 
 Writes ``envhub/llmserve/data/coeffs_embedded_smollm2_cpu.json`` (read by ``profiles.EMBEDDED_SMOLLM2_CPU``)
 and records the table in ``bench/RESULTS.md``.
@@ -103,7 +103,7 @@ def prefill_row(n: int) -> list[float]:
 
 
 def decode_row(batch: int, ctx: int) -> list[float]:
-    return [1.0, float(batch * ctx), float(batch)]
+    return [1.0, float(batch * ctx), float(batch), float(batch > 1)]
 
 
 def split(items: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
@@ -148,7 +148,7 @@ def main() -> None:
         "name": "embedded-smollm2-135m-cpu",
         "source": f"bench/llmserve_fit.py: SmolLM2-135M on torch CPU, embedded engine's forwards, {machine()}",
         "prefill_a": pc[0], "prefill_b": pc[1], "prefill_c": pc[2],
-        "decode_a": dc[0], "decode_b": dc[1], "decode_c": dc[2],
+        "decode_a": dc[0], "decode_b": dc[1], "decode_c": dc[2], "decode_multi": dc[3],
         "fit": {"held_out_max_rel_error": worst, "repeats": args.repeats, "machine": machine(),
                 "date": time.strftime("%Y-%m-%d %H:%M"), "prefill_ms": {str(n): v for (n,), v in prefill.items()},
                 "decode_ms": {f"{b}x{c}": v for (b, c), v in decode.items()}},
@@ -156,7 +156,11 @@ def main() -> None:
     COEFFS_FILE.write_text(json.dumps(coeffs, indent=2) + "\n")
     rows = [
         ("prefill ms = a + b*n + c*n^2", f"a={pc[0]:.3f} b={pc[1]:.5f} c={pc[2]:.3e}", "fitted (NNLS)"),
-        ("decode ms = a + b*B*ctx + c*B", f"a={dc[0]:.3f} b={dc[1]:.3e} c={dc[2]:.4f}", "fitted (NNLS)"),
+        (
+            "decode ms = a + b*B*ctx + c*B + d*[B>1]",
+            f"a={dc[0]:.3f} b={dc[1]:.3e} c={dc[2]:.4f} d={dc[3]:.3f}",
+            "fitted (NNLS)",
+        ),
     ]
     rows += [
         (f"held-out {h['kind']} {h['shape']}", f"{h['predicted_ms']:.2f} vs {h['measured_ms']:.2f} ms "

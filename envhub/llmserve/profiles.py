@@ -3,7 +3,11 @@
 Engine step time uses the DistServe form (``../shared/reference/ecosystem_contracts.md``):
 
 * prefill of a batch of prompts: ``a + b*sum(len) + c*sum(len^2)`` ms;
-* one decode iteration: ``a + b*sum(ctx_tokens) + c*batch`` ms.
+* one decode iteration: ``a + b*sum(ctx_tokens) + c*batch`` ms, plus ``d`` ms when the iteration runs more than
+  one sequence (``decode_multi``). DistServe's GPU form has no such term (``d = 0`` in the published set); on a
+  CPU it is the largest effect there is: torch runs a one-row decode as matrix-vector products (weights streamed
+  once) and two or more rows as GEMMs that pack the weights first, so SmolLM2-135M's decode costs ~56 ms for
+  one sequence and ~100 ms flat for 2 to 8 (``bench/llmserve_fit.py``; ``torch.mm`` alone shows the same step).
 
 Two coefficient sets are planned. ``DISTSERVE_A100_OPT13B`` is the published one: DistServe's
 simulator profile of OPT-13B on one A100-80GB SXM (tp=1, pp=1), ``simdistserve/estimators``
@@ -42,6 +46,7 @@ class CostCoefficients:
     decode_a: float
     decode_b: float
     decode_c: float
+    decode_multi: float = 0.0  # extra ms of an iteration over two or more sequences (see the module docstring)
 
     def prefill_ms(self, lens: list[int]) -> float:
         if not lens:
@@ -51,7 +56,8 @@ class CostCoefficients:
     def decode_ms(self, ctx_tokens: float, batch: float) -> float:
         if batch <= 0:
             return 0.0
-        return self.decode_a + self.decode_b * ctx_tokens + self.decode_c * batch
+        multi = self.decode_multi if batch > 1 else 0.0
+        return self.decode_a + self.decode_b * ctx_tokens + self.decode_c * batch + multi
 
 
 DISTSERVE_A100_OPT13B = CostCoefficients(
