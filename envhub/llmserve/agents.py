@@ -1,6 +1,7 @@
 """The agents: the floor and reference policies the grader normalises between, and PPO.
 
-``make_agent("ppo", weights=DIR)`` is the trained policy of ``envhub/llmserve/ppo.py``.
+``make_agent("ppo", weights=DIR)`` is the trained policy of ``envhub/llmserve/ppo.py``;
+``make_agent("llm")`` a chat model behind ``$OPENAI_BASE_URL`` (``envhub/llmserve/llm.py``).
 
 ``RandomAgent`` (the floor): every field uniform over its range, from ``random.Random(seed)``.
 
@@ -67,11 +68,12 @@ class HeuristicAgent:
         )
 
 
-AGENTS = ("ppo", "heuristic", "random")
+AGENTS = ("ppo", "heuristic", "random", "llm")
 
 
 def make_agent(name: str, seed: int = 0, weights: str | None = None) -> Agent:
-    """``ppo`` loads its per-task weights from ``weights`` (default ``envhub.llmserve.ppo.DEFAULT_OUT``)."""
+    """``ppo`` loads its per-task weights from ``weights`` (default ``envhub.llmserve.ppo.DEFAULT_OUT``);
+    ``llm`` reads its endpoint from the environment (``LLMConfig.from_env``; ``LLMEndpointError`` without one)."""
     if name == "random":
         return RandomAgent(seed)
     if name == "heuristic":
@@ -80,4 +82,8 @@ def make_agent(name: str, seed: int = 0, weights: str | None = None) -> Agent:
         from envhub.llmserve.ppo import PPOAgent  # torch only when asked for
 
         return PPOAgent(weights)
+    if name == "llm":
+        from envhub.llmserve.llm import LLMAgent, LLMConfig
+
+        return LLMAgent(LLMConfig.from_env())
     raise ValueError(f"unknown agent {name!r}; agents: {', '.join(AGENTS)}")

@@ -5,6 +5,12 @@
 ``/health``, ``/schema`` and ``/mcp`` (and ``/web``, with ``GET /demo`` pointing there, when
 ``ENABLE_WEB_INTERFACE=true``). Errors: an unknown task -> 422 listing the tasks; a step on a
 finished episode -> 409; a log that does not grade -> 422.
+
+``GET /baseline`` grades random and heuristic on seeds 0-2 of every task (deterministic);
+``GET /baseline?use_openai=true`` adds the ``llm`` agent's rows (``envhub/llmserve/llm.py``: a chat model
+at ``$OPENAI_BASE_URL``, e.g. this project's bridge front door), each with its parse and fallback counts.
+Without a usable endpoint (the variable unset, ``openai`` not installed, unreachable, failing) it answers
+503 with a message naming the variable, its URL or the package, never a partial table.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 from openenv.core.env_server.http_server import create_app
 from pydantic import BaseModel, Field
@@ -20,6 +26,7 @@ from pydantic import BaseModel, Field
 from envhub.llmserve.agents import make_agent
 from envhub.llmserve.env import EpisodeArchive, EpisodeFinishedError, EpisodeNotStartedError, LLMServeEnvironment
 from envhub.llmserve.grader import EpisodeLogError, grade, run_agent
+from envhub.llmserve.llm import LLMAgent, LLMConfig, LLMEndpointError
 from envhub.llmserve.models import EpisodeLog, ServeAction, ServeObservation
 from envhub.llmserve.tasks import TASKS, UnknownTaskError
 
@@ -57,6 +64,23 @@ def _baseline() -> dict[str, Any]:
             scores = [grade(run_agent(make_agent(name, s), task_id, s)).score for s in BASELINE_SEEDS]
             rows.append({"task_id": task_id, "agent": name, "seeds": list(BASELINE_SEEDS), "scores": scores})
     return {"baseline": rows}
+
+
+def _llm_baseline() -> list[dict[str, Any]]:
+    """The ``llm`` agent on the same tasks and seeds; an agent per task, so each row counts its own windows."""
+    rows = []
+    for task_id in TASKS:
+        agent = LLMAgent(LLMConfig.from_env())
+        scores = [grade(run_agent(agent, task_id, s)).score for s in BASELINE_SEEDS]
+        stats = agent.stats
+        rows.append(
+            {
+                "task_id": task_id, "agent": "llm", "seeds": list(BASELINE_SEEDS), "scores": scores,
+                "model": stats.model, "windows": stats.windows, "parsed": stats.parsed,
+                "fell_back": stats.fell_back, "summary": stats.summary(),
+            }
+        )  # fmt: skip
+    return rows
 
 
 def web_enabled() -> bool:
@@ -106,9 +130,17 @@ def build_app(archive: EpisodeArchive | None = None) -> FastAPI:
             )
         return RedirectResponse("/web/")
 
-    @app.get("/baseline", tags=["LLMServeEnv"])
-    def baseline() -> dict[str, Any]:
-        return _baseline()
+    @app.get("/baseline", tags=["LLMServeEnv"], response_model=None)
+    def baseline(
+        use_openai: bool = Query(False, description="also run the llm agent against $OPENAI_BASE_URL"),
+    ) -> dict[str, Any] | JSONResponse:
+        if not use_openai:
+            return _baseline()
+        try:
+            llm_rows = _llm_baseline()
+        except LLMEndpointError as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=503)
+        return {"baseline": _baseline()["baseline"] + llm_rows}
 
     return app
 

@@ -4,8 +4,9 @@
 * ``train --task T --steps N --seed S [--out DIR]``: BC warm start + PPO on the simulator
   (``envhub/llmserve/ppo.py``); weights to ``DIR/<task>/`` (default ``~/.cache/primerl/llmserve/ppo``,
   or ``$LLMSERVE_PPO_DIR``);
-* ``evaluate --agent ppo|heuristic|random [...] --task all --episodes 20 [--weights DIR]``: the
-  benchmark table (mean return and grade per agent per task, margins) on held-out seeds.
+* ``evaluate --agent ppo|heuristic|random|llm [...] --task all --episodes 20 [--weights DIR]``: the
+  benchmark table (mean return and grade per agent per task, margins) on held-out seeds; ``llm`` asks
+  the chat endpoint at ``$OPENAI_BASE_URL`` (``envhub/llmserve/llm.py``) and is never in the default set.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ def add_llmserve_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     train.add_argument("--seed", type=int, default=0, help="torch/numpy seed")
     train.add_argument("--out", default=None, help="weights directory (default ~/.cache/primerl/llmserve/ppo)")
     ev = sub.add_parser("evaluate", help="print the benchmark table on held-out seeds")
-    ev.add_argument("--agent", action="append", choices=["ppo", "heuristic", "random"], help="repeatable; default all")
+    ev.add_argument(
+        "--agent",
+        action="append",
+        choices=["ppo", "heuristic", "random", "llm"],
+        help="repeatable; default ppo, heuristic, random (llm: a chat model at $OPENAI_BASE_URL)",
+    )
     ev.add_argument("--task", default="all", help="a task id or 'all'")
     ev.add_argument("--episodes", type=int, default=20, help="episodes per agent and task (seeds 0..N-1)")
     ev.add_argument("--weights", default=None, help="PPO weights directory (as train's --out)")
@@ -33,11 +39,12 @@ def add_llmserve_parser(subparsers: argparse._SubParsersAction[argparse.Argument
 
 def run_llmserve(args: argparse.Namespace) -> int:
     if args.llmserve_command in ("train", "evaluate"):
+        from envhub.llmserve.llm import LLMEndpointError
         from envhub.llmserve.tasks import UnknownTaskError
 
         try:
             return _train(args) if args.llmserve_command == "train" else _evaluate(args)
-        except (UnknownTaskError, FileNotFoundError) as exc:  # a clear message, not a traceback
+        except (UnknownTaskError, FileNotFoundError, LLMEndpointError) as exc:  # a clear message, not a traceback
             raise SystemExit(f"error: {exc}") from None
     import uvicorn
 
