@@ -9,8 +9,10 @@ finished episode -> 409; a log that does not grade -> 422.
 ``GET /baseline`` grades random and heuristic on seeds 0-2 of every task (deterministic);
 ``GET /baseline?use_openai=true`` adds the ``llm`` agent's rows (``envhub/llmserve/llm.py``: a chat model
 at ``$OPENAI_BASE_URL``, e.g. this project's bridge front door), each with its parse and fallback counts.
-Without a usable endpoint (the variable unset, ``openai`` not installed, unreachable, failing) it answers
-503 with a message naming the variable, its URL or the package, never a partial table.
+Without a usable endpoint it answers with a message naming the variable, its URL or the package, never a
+partial table: 400 when this server is not set up for it (the variable unset, ``openai`` not installed: the
+request cannot run in the server's current state, gRPC's FAILED_PRECONDITION), 502 when the endpoint is
+unreachable or fails.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pydantic import BaseModel, Field
 from envhub.llmserve.agents import make_agent
 from envhub.llmserve.env import EpisodeArchive, EpisodeFinishedError, EpisodeNotStartedError, LLMServeEnvironment
 from envhub.llmserve.grader import EpisodeLogError, grade, run_agent
-from envhub.llmserve.llm import LLMAgent, LLMConfig, LLMEndpointError
+from envhub.llmserve.llm import LLMAgent, LLMConfig, LLMEndpointError, LLMNotConfiguredError
 from envhub.llmserve.models import EpisodeLog, ServeAction, ServeObservation
 from envhub.llmserve.tasks import TASKS, UnknownTaskError
 
@@ -138,8 +140,10 @@ def build_app(archive: EpisodeArchive | None = None) -> FastAPI:
             return _baseline()
         try:
             llm_rows = _llm_baseline()
-        except LLMEndpointError as exc:
-            return JSONResponse({"detail": str(exc)}, status_code=503)
+        except LLMNotConfiguredError as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=400)
+        except LLMEndpointError as exc:  # the chat endpoint is down or failing: a bad gateway, not our fault
+            return JSONResponse({"detail": str(exc)}, status_code=502)
         return {"baseline": _baseline()["baseline"] + llm_rows}
 
     return app

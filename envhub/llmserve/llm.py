@@ -49,6 +49,10 @@ class LLMEndpointError(RuntimeError):
     """The chat endpoint cannot be used: not configured, ``openai`` missing, unreachable or failing."""
 
 
+class LLMNotConfiguredError(LLMEndpointError):
+    """This process is not set up for the llm agent (no ``OPENAI_BASE_URL``, no ``openai``, no model to use)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LLMConfig:
     base_url: str
@@ -67,7 +71,7 @@ class LLMConfig:
         env = os.environ if environ is None else environ
         base_url = env.get(BASE_URL_VAR, "").strip()
         if not base_url:
-            raise LLMEndpointError(
+            raise LLMNotConfiguredError(
                 f"the llm agent needs {BASE_URL_VAR}: the API root of an OpenAI-compatible server, "
                 "e.g. a bridge's front door http://127.0.0.1:8000/v1 (OPENAI_API_KEY and OPENAI_MODEL are optional)"
             )
@@ -149,7 +153,7 @@ class LLMAgent:
         try:
             import openai  # the environment runs without it; only this agent needs it
         except ImportError as exc:
-            raise LLMEndpointError("the llm agent needs the openai package: pip install openai==3.57.0") from exc
+            raise LLMNotConfiguredError("the llm agent needs the openai package: pip install openai==3.57.0") from exc
         self._openai = openai
         self.config = config
         self.fallback = HeuristicAgent()
@@ -169,7 +173,7 @@ class LLMAgent:
         except self._openai.APIError as exc:
             raise self._failed(exc) from exc
         if not models:
-            raise LLMEndpointError(f"{BASE_URL_VAR}={self.config.base_url} lists no models: set OPENAI_MODEL")
+            raise LLMNotConfiguredError(f"{BASE_URL_VAR}={self.config.base_url} lists no models: set OPENAI_MODEL")
         return models[0].id
 
     def ask(self, obs: ServeObservation) -> str:

@@ -5,7 +5,7 @@ the heuristic) and a stand-in chat server speaking OpenAI's wire format that ans
 even windows and prose on odd ones. What a user would notice: the episode completes and grades in
 [0, 1], every window is either parsed or fell back, the fallback is the heuristic's action, the
 requests are temperature 0 with a token bound, and ``/baseline?use_openai=true`` returns the llm rows,
-or a 503 naming ``OPENAI_BASE_URL`` instead of a 500.
+or a 400 (not set up) / 502 (endpoint down) naming ``OPENAI_BASE_URL`` instead of a 500.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_unreachable_endpoint_is_a_clear_error() -> None:
         LLMAgent(LLMConfig(base_url=dead, timeout_s=5))
 
 
-async def test_baseline_use_openai_returns_llm_rows_and_503_without_the_variable(
+async def test_baseline_use_openai_returns_llm_rows_400_without_the_variable_502_when_down(
     front_door: tuple[BridgeServer, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, base_url = front_door
@@ -142,11 +142,11 @@ async def test_baseline_use_openai_returns_llm_rows_and_503_without_the_variable
     async with httpx.AsyncClient(transport=transport, base_url="http://llmserve", timeout=300) as http:
         monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
         r = await http.get("/baseline", params={"use_openai": "true"})
-        assert r.status_code == 503 and "OPENAI_BASE_URL" in r.json()["detail"]
+        assert r.status_code == 400 and "OPENAI_BASE_URL" in r.json()["detail"]
         dead = f"http://127.0.0.1:{free_port()}/v1"
         monkeypatch.setenv("OPENAI_BASE_URL", dead)
         r = await http.get("/baseline", params={"use_openai": "true"})
-        assert r.status_code == 503 and f"OPENAI_BASE_URL={dead}: the endpoint failed" in r.json()["detail"]
+        assert r.status_code == 502 and f"OPENAI_BASE_URL={dead}: the endpoint failed" in r.json()["detail"]
         plain = (await http.get("/baseline")).json()["baseline"]
         assert {row["agent"] for row in plain} == {"random", "heuristic"}  # the deterministic suite, unchanged
 
