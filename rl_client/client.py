@@ -18,24 +18,19 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Itera
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
+from rl_client.convert import is_token_ids, messages_pb, sampling_params, trajectory, turn_result
 from rl_client.errors import BridgeError, from_rpc_error
 from rl_client.types import (
-    FINISH_REASONS,
     ORIGINS,
     Chunk,
-    EnvStatus,
-    Message,
     Prompt,
     Sampling,
     Started,
     Trajectory,
-    TurnInfo,
     TurnResult,
-    Usage,
 )
 
 T = TypeVar("T")
@@ -57,86 +52,6 @@ _RETRY_SERVICE_CONFIG = json.dumps(
         ]
     }
 )
-
-
-def _sampling(s: Sampling | Mapping[str, Any] | None) -> pb.SamplingParams:
-    """The proto message, field by field by name (``Sampling`` checks the names; the proto has the same ones)."""
-    if not s:
-        return pb.SamplingParams()
-    return pb.SamplingParams(**(s if isinstance(s, Sampling) else Sampling(s)))
-
-
-def _messages(items: Sequence[Message] | Sequence[Mapping[str, str]]) -> pb.Messages:
-    out = pb.Messages()
-    for m in items:
-        if isinstance(m, Message):
-            out.messages.add(role=m.role, content=m.content, name=m.name)
-        else:
-            out.messages.add(role=m["role"], content=m["content"], name=m.get("name", ""))
-    return out
-
-
-def _is_token_ids(items: Prompt) -> bool:
-    return all(isinstance(x, (int, np.integer)) for x in items)
-
-
-def _usage(u: pb.Usage) -> Usage:
-    return Usage(u.prompt_tokens, u.cached_tokens, u.generated_tokens)
-
-
-def _turn_result(
-    ids: list[int], logprobs: list[float], origins: list[str], done: pb.TurnDone, raw: list[float] | None = None
-) -> TurnResult:
-    return TurnResult(
-        token_ids=np.asarray(ids, dtype=np.int32),
-        logprobs=np.asarray(logprobs, dtype=np.float32),
-        origins=origins,
-        text=done.text,
-        finish_reason=FINISH_REASONS[done.finish_reason],
-        usage=_usage(done.usage),
-        policy_version=done.policy_version,
-        turn_index=done.turn_index,
-        raw_logprobs=np.asarray(raw, dtype=np.float32) if raw else None,
-        env=_env_status(done.env) if done.HasField("env") else None,
-    )
-
-
-def _env_status(e: pb.EnvStatus) -> EnvStatus:
-    reward = e.reward if e.HasField("reward") else None
-    return EnvStatus(e.done, reward, e.reason, e.tool_calls, e.turns, e.truncated, e.error)
-
-
-def _trajectory(t: pb.Trajectory) -> Trajectory:
-    return Trajectory(
-        episode_id=t.episode_id,
-        group_id=t.group_id,
-        group_index=t.group_index,
-        model=t.model,
-        token_ids=np.asarray(t.token_ids, dtype=np.int32),
-        logprobs=np.asarray(t.logprobs, dtype=np.float32),
-        loss_mask=np.asarray(t.loss_mask, dtype=np.bool_),
-        origins=np.asarray(t.origins, dtype=np.int8),
-        policy_versions=np.asarray(t.policy_versions, dtype=np.int64),
-        prompt_length=t.prompt_length,
-        turns=[
-            TurnInfo(
-                x.observation_start,
-                x.generation_start,
-                x.end,
-                FINISH_REASONS[x.finish_reason],
-                _usage(x.usage),
-                x.policy_version,
-                x.latency_ms,
-                x.ttft_ms,
-            )
-            for x in t.turns
-        ],
-        rewards=list(t.rewards),
-        turn_rewards=list(t.turn_rewards),
-        metadata=dict(t.metadata),
-        duration_ms=t.duration_ms,
-        raw_logprobs=np.asarray(t.raw_logprobs, dtype=np.float32) if t.raw_logprobs else None,
-    )
 
 
 class AsyncBridgeClient:
@@ -201,7 +116,7 @@ class AsyncBridgeClient:
         """
         req = pb.StartEpisodeRequest(
             model=model,
-            sampling=_sampling(sampling),
+            sampling=sampling_params(sampling),
             group_size=group_size,
             group_id=group_id,
             tool_schemas_json=[t if isinstance(t, str) else json.dumps(t) for t in tools],
@@ -213,10 +128,10 @@ class AsyncBridgeClient:
             req.env_seed = env_seed
         if not prompt and env:
             pass  # no prompt field: the environment renders the prompt
-        elif _is_token_ids(prompt):
+        elif is_token_ids(prompt):
             req.prompt_token_ids.ids.extend(int(x) for x in prompt)  # type: ignore[arg-type]
         else:
-            req.prompt_messages.CopyFrom(_messages(prompt))  # type: ignore[arg-type]
+            req.prompt_messages.CopyFrom(messages_pb(prompt))  # type: ignore[arg-type]
         resp = await self._call(self._stub.StartEpisode, req, timeout)
         self.open_episodes.update(resp.episode_ids)
         return Started(
@@ -232,12 +147,12 @@ class AsyncBridgeClient:
     def _step_request(
         self, episode_id: str, observation: Prompt | None, sampling: Sampling | Mapping[str, Any] | None, stream: bool
     ) -> pb.StepRequest:
-        req = pb.StepRequest(episode_id=episode_id, sampling=_sampling(sampling), stream=stream)
+        req = pb.StepRequest(episode_id=episode_id, sampling=sampling_params(sampling), stream=stream)
         if observation:
-            if _is_token_ids(observation):
+            if is_token_ids(observation):
                 req.observation_token_ids.ids.extend(int(x) for x in observation)  # type: ignore[arg-type]
             else:
-                req.observation_messages.CopyFrom(_messages(observation))  # type: ignore[arg-type]
+                req.observation_messages.CopyFrom(messages_pb(observation))  # type: ignore[arg-type]
         return req
 
     async def stream_step(
@@ -263,7 +178,7 @@ class AsyncBridgeClient:
                 logprobs.extend(c.logprobs)
                 origins.extend(names)
                 raw.extend(c.raw_logprobs)
-                done = _turn_result(ids, logprobs, origins, c.done, raw) if c.HasField("done") else None
+                done = turn_result(ids, logprobs, origins, c.done, raw) if c.HasField("done") else None
                 final = done is not None
                 yield Chunk(list(c.token_ids), list(c.logprobs), names, c.text, done, list(c.raw_logprobs))
         except grpc.aio.AioRpcError as err:
@@ -301,7 +216,7 @@ class AsyncBridgeClient:
                 if c.HasField("done"):
                     final = True
                     origins = [ORIGINS[o] for o in c.origins]
-                    return _turn_result(list(c.token_ids), list(c.logprobs), origins, c.done, list(c.raw_logprobs))
+                    return turn_result(list(c.token_ids), list(c.logprobs), origins, c.done, list(c.raw_logprobs))
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         finally:
@@ -321,7 +236,7 @@ class AsyncBridgeClient:
         req = pb.EndEpisodeRequest(episode_id=episode_id, rewards=rewards, turn_rewards=list(turn_rewards))
         resp = await self._call(self._stub.EndEpisode, req, timeout)
         self.open_episodes.discard(episode_id)
-        return _trajectory(resp.trajectory)
+        return trajectory(resp.trajectory)
 
     async def discard_episode(self, episode_id: str, timeout: float | None = None) -> None:
         """Free an episode without fetching its trajectory."""
