@@ -3,6 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# apt-get waits for a dpkg lock held by another apt (a second checkout's setup, unattended upgrades) instead of failing.
+APT := DEBIAN_FRONTEND=noninteractive apt-get -qq -o DPkg::Lock::Timeout=600
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 
 .PHONY: help setup dev dev-loop lock run demo-chat demo-ppo test unit lint gen-proto check-proto bench bench-gate gate-fast clean vllm-env verifiers-env
@@ -42,14 +44,14 @@ lock:
 
 setup: $(STAMP)
 	@# envhub test-time tools (Debian packages): bubblewrap for the code sandbox, chromium for the browser.
-	@command -v bwrap >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }
-	@test -x /usr/bin/chromium || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	@command -v bwrap >/dev/null || { $(APT) update && $(APT) install -y bubblewrap; }
+	@test -x /usr/bin/chromium || { $(APT) update && $(APT) install -y chromium; }
 	@# cache/ tests and bench/cache_index.py start a private redis-server on a free port.
-	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	@command -v redis-server >/dev/null || { $(APT) update && $(APT) install -y redis-server; }
 	@# PostgreSQL tests start a private cluster (initdb + pg_ctl, not on PATH on Debian) on a free port; a cluster
 	@# the package may start on 5432 is never used.
 	@{ command -v initdb || ls /usr/lib/postgresql/*/bin/initdb; } >/dev/null 2>&1 \
-		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
+		|| { $(APT) update && $(APT) install -y postgresql; }
 
 # The product README's quick start says `make dev`: the same as setup (the dev tools come with '.[dev]').
 dev: setup
