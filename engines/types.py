@@ -322,6 +322,42 @@ class Message:
     name: str = ""
 
 
+# The bridge's episode results as the trainer sees them: ``server`` builds them from its bridge, ``rl_client``
+# from protobuf, and both hand back these same types (``rl_client.Started`` / ``server.calls.StartResult``,
+# ``rl_client.EnvStatus`` / ``server.envsession.EnvOutcome``).
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """Result of starting an episode: one id per group member."""
+
+    episode_ids: list[str]
+    group_id: str
+    policy_version: int
+    engine: str
+    replica: str
+    prompt_tokens: int
+    env_task_id: str = ""  # the environment's task, for episodes started with ``env``
+
+    @property
+    def episode_id(self) -> str:
+        return self.episode_ids[0]
+
+
+@dataclass(frozen=True, slots=True)
+class EnvStatus:
+    """Where an episode's server-side tool loop stands after a Step (episodes started with ``env``;
+    ``TurnDone.env`` on the wire)."""
+
+    done: bool  # the environment graded the episode; end it
+    reward: float | None  # the grader's reward, once done
+    reason: str  # final_answer, max_tool_calls, context_exhausted, max_turns, env_error, aborted
+    tool_calls: int  # executed in the episode so far
+    turns: int  # model turns run by this Step
+    truncated: bool = False
+    error: str = ""
+
+
 @dataclass(slots=True)
 class EngineCounters:
     """Monotonic counters an engine exposes (for tests, metrics and benchmarks)."""

@@ -9,7 +9,11 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+# ``Started`` (start_episode's result) and ``EnvStatus`` (a Step's tool-loop state) are the bridge's own result
+# types, shared with the server (engines.types) and re-exported here.
+from engines.types import EnvStatus as EnvStatus
 from engines.types import SamplingOverrides
+from engines.types import Started as Started
 
 # Sampling parameters a call sets, e.g. ``Sampling(temperature=0.7, max_tokens=64)``; the rest inherit
 # (turn <- episode <- server defaults). The fields are those of ``engines.types.SamplingParams``, the one
@@ -38,23 +42,6 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
-class Started:
-    """Result of ``start_episode``: one id per group member."""
-
-    episode_ids: list[str]
-    group_id: str
-    policy_version: int
-    engine: str
-    replica: str
-    prompt_tokens: int
-    env_task_id: str = ""  # the environment's task, for episodes started with ``env``
-
-    @property
-    def episode_id(self) -> str:
-        return self.episode_ids[0]
-
-
-@dataclass(frozen=True, slots=True)
 class Chunk:
     """Part of a streamed turn; ``done`` is set on the last chunk."""
 
@@ -64,19 +51,6 @@ class Chunk:
     text: str
     done: TurnResult | None = None
     raw_logprobs: list[float] = field(default_factory=list)  # only when sampling.raw_logprobs was set
-
-
-@dataclass(frozen=True, slots=True)
-class EnvStatus:
-    """Where an episode's server-side tool loop stands after a Step (episodes started with ``env``)."""
-
-    done: bool  # the environment graded the episode; end it
-    reward: float | None  # the grader's reward, once done
-    reason: str  # final_answer, max_tool_calls, context_exhausted, max_turns, env_error, aborted
-    tool_calls: int  # executed in the episode so far
-    turns: int  # model turns run by this Step
-    truncated: bool = False
-    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)

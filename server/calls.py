@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engines.types import NO_OVERRIDES, Message, Origin, SamplingOverrides
+from engines.types import NO_OVERRIDES, Message, Origin, SamplingOverrides, Started
 from server.envsession import EnvOutcome
 from server.episodes import Episode, Turn
 
@@ -30,15 +30,8 @@ class StartRequest:
     env_seed: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class StartResult:
-    episode_ids: list[str]
-    group_id: str
-    policy_version: int
-    engine: str
-    replica: str
-    prompt_tokens: int
-    env_task_id: str = ""
+# What StartEpisode hands back: the trainer client's own result type (``rl_client.Started``).
+StartResult = Started
 
 
 @dataclass(frozen=True, slots=True)

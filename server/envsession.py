@@ -22,7 +22,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from engines.types import Message
+from engines.types import EnvStatus, Message
 from envhub.config import EnvHubConfig
 from envhub.loop import EnvEpisode, LoopDecision, ToolLoop, start_env_episode
 from envhub.registry import names as env_names
@@ -33,17 +33,9 @@ log = logging.getLogger("primerl.server")
 CLOSE_TIMEOUT_S = 10.0  # an environment's close (browser, database) gets this long, then it is abandoned
 
 
-@dataclass(frozen=True, slots=True)
-class EnvOutcome:
-    """Where an episode's tool loop stands after a Step (``TurnDone.env`` on the wire)."""
-
-    done: bool  # the environment graded the episode
-    reward: float | None
-    reason: str
-    tool_calls: int  # executed in the episode so far
-    turns: int  # model turns run by this Step
-    truncated: bool = False
-    error: str = ""
+# Where an episode's tool loop stands after a Step (``TurnDone.env`` on the wire): the type the trainer client
+# returns too (``rl_client.EnvStatus``).
+EnvOutcome = EnvStatus
 
 
 @dataclass(eq=False, slots=True)
