@@ -138,3 +138,5 @@ class Hardware:
 
 A100_80G = Hardware("A100-80GB", memory_gib=80.0, price_per_hour=4.0, kv_transfer_gb_s=25.0)
 A100_40G = Hardware("A100-40GB", memory_gib=40.0, price_per_hour=3.0, kv_transfer_gb_s=25.0)
+# By name, as the task table (``data/tasks.json``) names a task's GPU.
+HARDWARE = {h.name: h for h in (A100_80G, A100_40G)}

@@ -1,6 +1,7 @@
 """The three tasks and their seedable workload generators.
 
-A task fixes the episode length, the window each step covers, the GPU, the SLOs and the traffic.
+The tasks are data (``data/tasks.json``, shipped as package data). A task fixes the episode length, the
+window each step covers, the GPU, the SLOs and the traffic.
 The whole arrival trace of an episode is drawn at reset from ``numpy.random.default_rng(seed)``,
 so the workload never depends on the agent's actions and the same seed gives the same requests.
 
@@ -13,11 +14,13 @@ so the workload never depends on the agent's actions and the same seed gives the
 
 from __future__ import annotations
 
+import importlib.resources
+import json
 from dataclasses import dataclass
 
 import numpy as np
 
-from envhub.llmserve.profiles import A100_40G, A100_80G, Hardware
+from envhub.llmserve.profiles import HARDWARE, Hardware
 
 
 @dataclass(frozen=True)
@@ -56,71 +59,18 @@ class TaskSpec:
         return max(1.0, self.calm_rate * self.output_mean)
 
 
-TASKS: dict[str, TaskSpec] = {
-    "static_workload": TaskSpec(
-        task_id="static_workload",
-        difficulty="easy",
-        description="Stable Poisson arrivals (6 req/s), short prompts (~256 tokens), one class, A100-80GB.",
-        episode_length=32,
-        window_s=1.0,
-        hardware=A100_80G,
-        ttft_slo_ms=(500.0, 500.0),
-        itl_slo_ms=60.0,
-        spec_alpha=0.75,
-        calm_rate=6.0,
-        burst_rate=6.0,
-        p_enter_burst=0.0,
-        p_leave_burst=1.0,
-        prompt_mean=256.0,
-        output_mean=96.0,
-        batch_share=0.0,
-        spike_prob=0.0,
-        spike_size=0,
-    ),
-    "bursty_workload": TaskSpec(
-        task_id="bursty_workload",
-        difficulty="medium",
-        description="MMPP arrivals: 3 req/s calm, 18 req/s bursts; ~512-token prompts, A100-80GB.",
-        episode_length=48,
-        window_s=1.0,
-        hardware=A100_80G,
-        ttft_slo_ms=(1000.0, 1000.0),
-        itl_slo_ms=70.0,
-        spec_alpha=0.65,
-        calm_rate=3.0,
-        burst_rate=18.0,
-        p_enter_burst=0.15,
-        p_leave_burst=0.35,
-        prompt_mean=512.0,
-        output_mean=128.0,
-        batch_share=0.0,
-        spike_prob=0.0,
-        spike_size=0,
-    ),
-    "adversarial_multitenant": TaskSpec(
-        task_id="adversarial_multitenant",
-        difficulty="hard",
-        description=(
-            "Two tenants (interactive priority 0 with a 300 ms TTFT SLO; batch priority 1 with ~1500-token "
-            "prompts), sharp spikes of long prompts, tight memory (A100-40GB)."
-        ),
-        episode_length=48,
-        window_s=1.0,
-        hardware=A100_40G,
-        ttft_slo_ms=(300.0, 3000.0),
-        itl_slo_ms=80.0,
-        spec_alpha=0.55,
-        calm_rate=6.0,
-        burst_rate=6.0,
-        p_enter_burst=0.0,
-        p_leave_burst=1.0,
-        prompt_mean=160.0,
-        output_mean=96.0,
-        batch_share=0.3,
-        spike_prob=0.12,
-        spike_size=12,
-    ),
-}
+def _load_tasks() -> dict[str, TaskSpec]:
+    """The task table, ``data/tasks.json`` (package data): one object per task with ``TaskSpec``'s fields, the
+    GPU by its name (``profiles.HARDWARE``)."""
+    text = importlib.resources.files("envhub.llmserve").joinpath("data/tasks.json").read_text()
+    specs = (
+        TaskSpec(**{**row, "hardware": HARDWARE[row["hardware"]], "ttft_slo_ms": tuple(row["ttft_slo_ms"])})
+        for row in json.loads(text)
+    )
+    return {spec.task_id: spec for spec in specs}
+
+
+TASKS: dict[str, TaskSpec] = _load_tasks()
 
 
 class UnknownTaskError(ValueError):
