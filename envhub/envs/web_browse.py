@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from urllib.parse import urljoin
 
-from engines.toolcall import format_call
-from envhub.base import Task, ToolEnvironment
+from envhub.base import Task
 from envhub.config import BrowserConfig, EnvHubConfig
 from envhub.connectors.browser import BrowserSession, origin_of
 from envhub.envs._data import load_tasks
+from envhub.envs.web_lookup import ShopSiteEnv
 from envhub.rewards import Shaping
 from envhub.types import JSON, ToolResult, string_tool
 
@@ -31,23 +31,16 @@ BROWSER_TOOLS = (
 )
 
 
-class WebBrowseEnv(ToolEnvironment):
+class WebBrowseEnv(ShopSiteEnv):
     name = "web-browse"
-    sandbox_policy = "default"  # its tools run in process (no code is sandboxed); declared for the hub's audit
 
     def __init__(
         self, config: BrowserConfig, site_url: str, tasks: tuple[Task, ...], rubric: Shaping | None = None
     ) -> None:
-        super().__init__(tasks, rubric)
-        self.site_url = site_url if site_url.endswith("/") else site_url + "/"
+        super().__init__(site_url, tasks, rubric, how=" by using the browser tools, e.g. ", tool="navigate")
         origins = (*config.allowed_origins, origin_of(self.site_url))
         self.browser = BrowserSession(config.model_copy(update={"allowed_origins": origins}))
         self._started = False
-        self.system_prompt = (
-            f"Answer questions about the shop whose website is {self.site_url} by using the browser tools, e.g. "
-            f"{format_call('navigate', {'url': self.site_url})}. "
-            "Give the final answer as <answer>...</answer>."
-        )
         self.add_tool(BROWSER_TOOLS[0], self._navigate)
         self.add_tool(BROWSER_TOOLS[1], self._click)
         self.add_tool(BROWSER_TOOLS[2], self._extract)

@@ -62,21 +62,30 @@ def html_to_text(html: str) -> str:
     return "\n".join(line for line in lines if line)
 
 
-class WebLookupEnv(ToolEnvironment):
-    name = "web-lookup"
+class ShopSiteEnv(ToolEnvironment):
+    """Questions about the shop whose website is ``site_url`` (the web-lookup tasks), answered with the tools a
+    subclass adds. The system prompt says how to use them (``how``), then shows a call of ``tool`` on the site."""
+
     sandbox_policy = "default"  # its tools run in process (no code is sandboxed); declared for the hub's audit
+
+    def __init__(self, site_url: str, tasks: tuple[Task, ...], rubric: Shaping | None, *, how: str, tool: str) -> None:
+        super().__init__(tasks, rubric)
+        self.site_url = site_url if site_url.endswith("/") else site_url + "/"
+        self.system_prompt = (
+            f"Answer questions about the shop whose website is {self.site_url}{how}"
+            f"{format_call(tool, {'url': self.site_url})}. "
+            "Give the final answer as <answer>...</answer>."
+        )
+
+
+class WebLookupEnv(ShopSiteEnv):
+    name = "web-lookup"
 
     def __init__(
         self, client: SafeHttpClient, site_url: str, tasks: tuple[Task, ...], rubric: Shaping | None = None
     ) -> None:
-        super().__init__(tasks, rubric)
+        super().__init__(site_url, tasks, rubric, how=". Read pages with the fetch_page tool: ", tool="fetch_page")
         self.client = client
-        self.site_url = site_url if site_url.endswith("/") else site_url + "/"
-        self.system_prompt = (
-            f"Answer questions about the shop whose website is {self.site_url}. Read pages with the fetch_page tool: "
-            f"{format_call('fetch_page', {'url': self.site_url})}. "
-            "Give the final answer as <answer>...</answer>."
-        )
         self.add_tool(FETCH_TOOL, self._fetch)
 
     async def _fetch(self, args: Mapping[str, JSON]) -> ToolResult:
