@@ -115,12 +115,18 @@ check-proto: setup
 
 # The benchmark matrix (bench/matrix.py; `primerl bench` is the same): each benchmark prints its table, writes
 # bench/results/<name>.json and appends to bench/RESULTS.md, whose summary is regenerated from the JSON.
-bench: setup vllm-env
+bench: setup vllm-env bench/loadgen/stepgen
 	$(PY) -m bench.matrix $(if $(QUICK),--quick) $(if $(ONLY),--only $(ONLY))
 
+# bench/workers.py's load generator: C++ on Debian's gRPC (generic stub, no generated code), whose CPU per Step
+# is a fraction of a Python client's, so that on 2 cores the generator leaves a second bridge worker its core.
+bench/loadgen/stepgen: bench/loadgen/stepgen.cc
+	@pkg-config --exists grpc++ 2>/dev/null || { $(APT) update && $(APT) install -y --no-install-recommends libgrpc++-dev pkg-config; }
+	g++ -O2 -std=c++17 -o $@ $< $$(pkg-config --cflags --libs grpc++)
+
 # Release check: the full matrix, then its same-run ratios against bench/baselines.json ("full").
-bench-gate: setup vllm-env
+bench-gate: setup vllm-env bench/loadgen/stepgen
 	$(PY) -m bench.matrix --gate $(if $(ONLY),--only $(ONLY))
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache
+	rm -rf $(VENV) bench/loadgen/stepgen .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache

@@ -1,11 +1,15 @@
 """``primerl serve --workers 2`` vs one worker: Steps/s and Steps per bridge CPU-second, side by side in one run.
 
 Each round starts a toy-engine bridge with 1 worker, then one with 2 (alternating, ``--rounds`` times), and
-drives it with load-generator *processes* (``--generators``), each with its own channels (one TCP connection
-each, so the kernel spreads them over the workers) and ``--inflight`` unary 16-token Steps in flight in
-total. The generators are as cheap as a client can be: raw ``grpc.aio`` multicallables, requests serialized
-once per episode, responses never parsed. Every episode runs 32 turns, then a fresh one takes its place
-(StartEpisode / EndEpisode are not counted as Steps; their CPU is).
+drives it with ``--inflight`` unary 16-token Steps in flight in total over 8 channels per generator process (one
+TCP connection each, so the kernel spreads them over the workers). The default generator
+(``--generator cpp``) is one process of bench/loadgen/stepgen.cc (gRPC C++, generic stub; built by ``make
+bench/loadgen/stepgen``, which this script runs when the binary is missing or stale): its CPU per Step is a
+fraction of the bridge's, so on 2 cores it leaves the second worker most of a core. ``--generator python``
+runs ``--generators`` Python processes instead (raw ``grpc.aio`` multicallables, requests serialized once per
+episode, responses never parsed: as cheap as a Python client can be, yet about as costly per Step as the
+bridge). Every episode runs 32 turns, then a fresh one takes its place (StartEpisode / EndEpisode are not
+counted as Steps; their CPU is).
 
 Bridge CPU is the user+system time of the whole process tree (``primerl serve``'s parent and its workers)
 over the measured window; Steps per bridge CPU-second is the efficiency a second worker must keep (target:
@@ -13,9 +17,10 @@ within 10 % of one worker), Steps/s the capacity it must add (target: >= 1.5x). 
 generators need too, Steps/s cannot double: the generators' CPU per Step is printed so the limit shows.
 
 A third configuration starts every episode through one worker and steps and ends it through the other
-(every Step forwarded over the private socket): what forwarding costs in bridge CPU per Step.
+(every Step forwarded over the private socket): what forwarding costs in bridge CPU per Step (driven by the
+Python generators, which find each connection's worker first).
 
-Usage: python -m bench.workers [--seconds 10] [--rounds 3] [--generators 2] [--inflight 64]
+Usage: python -m bench.workers [--seconds 10] [--rounds 3] [--generator cpp|python] [--generators 2] [--inflight 64]
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +48,7 @@ from proto.primerl.v1 import primerl_pb2 as pb
 
 SERVICE = "/primerl.v1.PrimeRL/"
 SETTLE_S = 3.0  # generators run this long before the measured window (connections up, episodes open)
+STEPGEN = Path(__file__).resolve().parent / "loadgen" / "stepgen"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -143,6 +151,32 @@ def _generator(
     out.put(asyncio.run(_generate(port, channels, inflight, begin, seconds, cross)))
 
 
+def ensure_stepgen() -> Path:
+    """The C++ generator, built (``make bench/loadgen/stepgen``: Debian's libgrpc++-dev, g++) when missing or
+    older than its source."""
+    source = STEPGEN.with_name("stepgen.cc")
+    if not STEPGEN.exists() or STEPGEN.stat().st_mtime < source.stat().st_mtime:
+        print("building the C++ load generator (make bench/loadgen/stepgen) ...", flush=True)
+        subprocess.run(["make", "--no-print-directory", "bench/loadgen/stepgen"], cwd=STEPGEN.parents[2], check=True)
+    return STEPGEN
+
+
+def _stepgen(port: int, inflight: int, begin: float, seconds: float) -> subprocess.Popen[str]:
+    """One C++ generator process; it prints ``{"steps", "cpu_s", "errors"}`` after the window."""
+    for message in (pb.StepRequest, pb.EndEpisodeRequest):  # stepgen writes the episode id as field 1
+        assert message.DESCRIPTOR.fields_by_name["episode_id"].number == 1, message
+    assert pb.StartEpisodeResponse.DESCRIPTOR.fields_by_name["episode_ids"].number == 1
+    start = pb.StartEpisodeRequest(
+        prompt_token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True)
+    )
+    step = pb.StepRequest(observation_token_ids=pb.TokenIds(ids=[9]))
+    end = pb.EndEpisodeRequest(discard=True)
+    args = [port, begin, seconds, inflight, 8, TURNS_PER_EPISODE] + [
+        m.SerializeToString().hex() for m in (start, step, end)
+    ]
+    return subprocess.Popen([str(STEPGEN), *map(str, args)], stdout=subprocess.PIPE, text=True)
+
+
 def _wait_for_workers(port: int, workers: int, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
     """Until new connections reach every worker (a StartEpisode's id names the worker that served it)."""
     deadline = time.monotonic() + timeout
@@ -178,26 +212,55 @@ class Side:
         return pct([getattr(r, name) for r in self.runs], 50)
 
 
-def measure(workers: int, seconds: float, generators: int, inflight: int, cross: bool = False) -> Run:
+def _python_generators(
+    port: int, generators: int, inflight: int, begin: float, seconds: float, cross: bool
+) -> Callable[[], list[tuple[int, float]]]:
+    """``generators`` Python processes started; the returned function collects their (Steps, CPU seconds)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    args = (port, 8, inflight // generators, begin, seconds, cross, out)
+    procs = [ctx.Process(target=_generator, args=args) for _ in range(generators)]
+    for p in procs:
+        p.start()
+
+    def collect() -> list[tuple[int, float]]:
+        results = [out.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
+        return results
+
+    return collect
+
+
+def _cpp_generator(port: int, inflight: int, begin: float, seconds: float) -> Callable[[], list[tuple[int, float]]]:
+    gen = _stepgen(port, inflight, begin, seconds)
+
+    def collect() -> list[tuple[int, float]]:
+        stdout, _ = gen.communicate(timeout=120)
+        result = json.loads(stdout)
+        if gen.returncode or result["errors"]:
+            raise RuntimeError(f"stepgen exited with {gen.returncode}, {result['errors']} failed calls")
+        return [(result["steps"], result["cpu_s"])]
+
+    return collect
+
+
+def measure(workers: int, seconds: float, generator: str, generators: int, inflight: int, cross: bool = False) -> Run:
+    """One bridge with ``workers`` workers under load for ``seconds``; ``cross`` needs the Python generators."""
     proc, port = start_bridge("--engine", "toy", "--workers", str(workers))
     try:
         _wait_for_workers(port, workers, proc)
-        ctx = multiprocessing.get_context("spawn")
-        out = ctx.Queue()
         begin = time.time() + SETTLE_S + 2.0  # + the generators' own start-up
-        per = inflight // generators
-        args = (port, 8, per, begin, seconds, cross, out)
-        procs = [ctx.Process(target=_generator, args=args) for _ in range(generators)]
-        for p in procs:
-            p.start()
+        if generator == "cpp" and not cross:
+            collect = _cpp_generator(port, inflight, begin, seconds)
+        else:
+            collect = _python_generators(port, generators, inflight, begin, seconds, cross)
         time.sleep(max(0.0, begin - time.time()))
         tree = _descendants(proc.pid)
         cpu0, wall0 = tree_cpu(tree), time.perf_counter()
         time.sleep(max(0.0, begin + seconds - time.time()))
         cpu1, wall1 = tree_cpu(tree), time.perf_counter()
-        results = [out.get(timeout=120) for _ in procs]
-        for p in procs:
-            p.join(30)
+        results = collect()
         steps = sum(r[0] for r in results)
         gen_cpu = sum(r[1] for r in results)
         assert len(tree) >= workers + (workers > 1), f"{workers} worker(s) but processes {tree}"
@@ -207,13 +270,15 @@ def measure(workers: int, seconds: float, generators: int, inflight: int, cross:
         proc.wait(60)
 
 
-def main(seconds: float, rounds: int, generators: int, inflight: int) -> None:
+def main(seconds: float, rounds: int, generator: str, generators: int, inflight: int) -> None:
     load = os.getloadavg()[0]
+    if generator == "cpp":
+        ensure_stepgen()
     sides = {"1": Side(), "2": Side(), "2x": Side()}  # 2x: 2 workers, every Step and EndEpisode forwarded
     order = ["1", "2", "2x"]
     for r in range(rounds):
         for name in order[r % 3 :] + order[: r % 3]:
-            run = measure(int(name[0]), seconds, generators, inflight, cross=name == "2x")
+            run = measure(int(name[0]), seconds, generator, generators, inflight, cross=name == "2x")
             sides[name].runs.append(run)
             print(
                 f"round {r + 1}, {name} worker(s): {run.steps_per_s:,.0f} Steps/s, "
@@ -263,8 +328,14 @@ def main(seconds: float, rounds: int, generators: int, inflight: int) -> None:
         ),
     ]
     notes = (
-        f"Toy engine, unary 16-token Steps, {inflight} in flight from {generators} load-generator processes "
-        f"(8 connections each), {seconds:.0f} s windows, {rounds} rounds in rotating order, medians. {cores} cores, "
+        f"Toy engine, unary 16-token Steps, {inflight} in flight from "
+        + (
+            "one C++ load-generator process (bench/loadgen/stepgen.cc, 8 connections; the forwarded rounds from "
+            f"{generators} Python generators)"
+            if generator == "cpp"
+            else f"{generators} Python load-generator processes (8 connections each)"
+        )
+        + f", {seconds:.0f} s windows, {rounds} rounds in rotating order, medians. {cores} cores, "
         f"load average {load:.1f} at the start (other work shares the machine). A bridge worker needs about a "
         "core at full load, and the generators need CPU per Step too: with every core busy, Steps/s cannot pass "
         "cores / (bridge + generator CPU per Step) (the ceiling row; one worker is also capped at one core), "
@@ -286,6 +357,7 @@ def main(seconds: float, rounds: int, generators: int, inflight: int) -> None:
         "steps_per_s_ratio_rounds": tput_rounds,
         "steps_per_cpu_s_ratio_rounds": eff_rounds,
         "load_average_at_start": load,
+        "generator": generator,
         "forwarded_steps_per_s_2": cross.median("steps_per_s"),
         "forwarded_steps_per_cpu_s_2": cross.median("steps_per_cpu_s"),
         "forwarded_step_extra_bridge_cpu_us": forward_us,
@@ -300,7 +372,13 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window per run")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of 1 worker, 2, and 2 with every Step forwarded")
-    ap.add_argument("--generators", type=int, default=2, help="load-generator processes")
+    ap.add_argument(
+        "--generator",
+        choices=("cpp", "python"),
+        default="cpp",
+        help="cpp: one bench/loadgen/stepgen process; python: --generators grpc.aio processes (2x rounds use these)",
+    )
+    ap.add_argument("--generators", type=int, default=2, help="Python load-generator processes")
     ap.add_argument("--inflight", type=int, default=64, help="Steps in flight in total")
     args = ap.parse_args()
-    main(args.seconds, args.rounds, args.generators, args.inflight)
+    main(args.seconds, args.rounds, args.generator, args.generators, args.inflight)
