@@ -28,7 +28,7 @@ from proto.primerl.v1 import control_pb2 as cpb
 from proto.primerl.v1 import control_pb2_grpc as cpb_grpc
 from proto.primerl.v1 import primerl_pb2 as pb
 from server.errors import InvalidArgument, NotFound, PrimeRLError, status_code
-from server.forward import default_forwarder
+from server.forward import Route, default_forwarder
 
 log = logging.getLogger("primerl.control")
 SERVICE_NAME = cpb.DESCRIPTOR.services_by_name["Control"].full_name
@@ -149,9 +149,8 @@ class ControlService(cpb_grpc.ControlServicer):
             return min(bridges, key=lambda b: b.load).address
 
         target = await self._run("UpdateWeights", context, pick())
-        return await default_forwarder().unary(
-            target, UPDATE_WEIGHTS, request, context, response_deserializer=pb.UpdateWeightsResponse.FromString
-        )
+        route = Route(target, UPDATE_WEIGHTS, response_deserializer=pb.UpdateWeightsResponse.FromString)
+        return await default_forwarder().unary(route, request, context)
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """Forwarding one gRPC call to the process that owns its state (another bridge worker, another bridge).
 
-``forward_unary`` / ``forward_stream`` replay the call being served on ``target`` (``host:port`` or
-``unix:/path``) over a cached ``grpc.aio`` channel and hand its outcome back unchanged:
+``Forwarder.unary`` / ``Forwarder.stream`` replay the call being served along a ``Route``: its ``method`` on its
+``target`` (``host:port`` or ``unix:/path``), over a cached ``grpc.aio`` channel, and hand its outcome back unchanged:
 
 * the request goes as serialized bytes (a message is serialized once; bytes are sent as they are);
 * the caller's metadata goes along (bearer token, request id, trace context; transport headers
-  excepted), with ``metadata`` added, and the caller's remaining deadline becomes the call's timeout;
+  excepted), with the route's ``metadata`` added, and the caller's remaining deadline becomes the call's timeout;
 * the owner's initial metadata (e.g. Step's ``primerl-accepted``) is sent on before the first response,
   its responses are returned as bytes (or as messages with ``response_deserializer``), its trailing
   metadata is passed on, and its status code and details are the caller's: ``context.abort`` with them;
@@ -13,7 +13,7 @@
 
 ``OwnerUnreachable`` is raised instead of aborting, when the owner could not be reached at all (the call
 ended UNAVAILABLE before the owner sent anything), so a caller can take the call over or say so clearly;
-without ``unreachable_raises`` that case is passed on as UNAVAILABLE like any other status.
+without the route's ``unreachable_raises`` that case is passed on as UNAVAILABLE like any other status.
 
 A handler that returns forwarded bytes needs a response serializer that passes bytes through:
 ``passthrough(serializer)``.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -31,6 +32,17 @@ Metadata = Sequence[tuple[str, str | bytes]]
 # Transport headers that belong to one hop; everything else the client sent is forwarded.
 _HOP_HEADERS = frozenset({"user-agent", "content-type", "te", "host", "accept-encoding"})
 _UNLIMITED = (("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1))
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a forwarded call goes, and how its outcome comes back."""
+
+    target: str  # the owner: host:port or unix:/path
+    method: str  # the full method path, /package.Service/Method
+    metadata: Metadata = ()  # sent after the caller's own
+    response_deserializer: Callable[[bytes], Any] | None = None  # None: responses are returned as bytes
+    unreachable_raises: bool = False  # an owner that cannot be reached raises OwnerUnreachable
 
 
 class OwnerUnreachable(Exception):
@@ -97,45 +109,23 @@ class Forwarder:
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close(None) for c in channels), return_exceptions=True)
 
-    async def unary(
-        self,
-        target: str,
-        method: str,
-        request: Any,
-        context: grpc.aio.ServicerContext,
-        *,
-        metadata: Metadata = (),
-        response_deserializer: Callable[[bytes], Any] | None = None,
-        unreachable_raises: bool = False,
-    ) -> Any:
-        """Run unary ``method`` on ``target`` for the call ``context`` is serving; return its response."""
-        start = self.channel(target).unary_unary(method, _identity, response_deserializer or _identity)
-        call = _replay(start, request, context, metadata)
+    async def unary(self, route: Route, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Run unary ``route.method`` on ``route.target`` for the call ``context`` is serving; return its response."""
+        call = _replay(route, request, context, self.channel(route.target).unary_unary)
         try:
             response = await call
         except asyncio.CancelledError:
             call.cancel()
             raise
         except grpc.aio.AioRpcError as exc:
-            await _fail(target, context, exc, unreachable_raises)
+            await _fail(route, context, exc)
             raise  # pragma: no cover - _fail always raises
         await _pass_metadata(context, await call.initial_metadata(), await call.trailing_metadata())
         return response
 
-    async def stream(
-        self,
-        target: str,
-        method: str,
-        request: Any,
-        context: grpc.aio.ServicerContext,
-        *,
-        metadata: Metadata = (),
-        response_deserializer: Callable[[bytes], Any] | None = None,
-        unreachable_raises: bool = False,
-    ) -> AsyncIterator[Any]:
-        """Run server-streaming ``method`` on ``target``; yield its responses as they arrive."""
-        start = self.channel(target).unary_stream(method, _identity, response_deserializer or _identity)
-        call = _replay(start, request, context, metadata)
+    async def stream(self, route: Route, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Run server-streaming ``route.method`` on ``route.target``; yield its responses as they arrive."""
+        call = _replay(route, request, context, self.channel(route.target).unary_stream)
         headers: Any = ()
         try:
             headers = await call.initial_metadata()
@@ -145,15 +135,18 @@ class Forwarder:
                 yield response
             await _pass_metadata(context, (), await call.trailing_metadata())
         except grpc.aio.AioRpcError as exc:
-            await _fail(target, context, exc, unreachable_raises, sent_headers=bool(headers))
+            await _fail(route, context, exc, sent_headers=bool(headers))
         finally:
             if not call.done():  # the caller left (or the consumer stopped early): stop the owner's work
                 call.cancel()
 
 
-def _replay(start: Any, request: Any, context: grpc.aio.ServicerContext, metadata: Metadata) -> Any:
-    """Start the call being served on the owner: its bytes, its remaining deadline, the caller's metadata."""
-    return start(_payload(request), timeout=context.time_remaining(), metadata=forwarded_metadata(context, metadata))
+def _replay(route: Route, request: Any, context: grpc.aio.ServicerContext, kind: Callable[..., Any]) -> Any:
+    """Start the call being served on the owner (``kind``: the channel's ``unary_unary`` or ``unary_stream``): its
+    bytes, its remaining deadline, the caller's metadata."""
+    start = kind(route.method, _identity, route.response_deserializer or _identity)
+    metadata = forwarded_metadata(context, route.metadata)
+    return start(_payload(request), timeout=context.time_remaining(), metadata=metadata)
 
 
 async def _pass_metadata(context: grpc.aio.ServicerContext, initial: Any, trailing: Any) -> None:
@@ -164,17 +157,12 @@ async def _pass_metadata(context: grpc.aio.ServicerContext, initial: Any, traili
 
 
 async def _fail(
-    target: str,
-    context: grpc.aio.ServicerContext,
-    exc: grpc.aio.AioRpcError,
-    unreachable_raises: bool,
-    *,
-    sent_headers: bool = False,
+    route: Route, context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpcError, *, sent_headers: bool = False
 ) -> None:
     """End the served call with the owner's status (or raise ``OwnerUnreachable``)."""
     code, initial = exc.code(), exc.initial_metadata()
-    if unreachable_raises and code == grpc.StatusCode.UNAVAILABLE and not initial and not exc.trailing_metadata():
-        raise OwnerUnreachable(target, exc.details() or "unavailable") from None
+    if route.unreachable_raises and code == grpc.StatusCode.UNAVAILABLE and not initial and not exc.trailing_metadata():
+        raise OwnerUnreachable(route.target, exc.details() or "unavailable") from None
     if code == grpc.StatusCode.CANCELLED:  # our caller left and we cancelled: end as a cancelled call
         raise asyncio.CancelledError
     if initial and not sent_headers:  # e.g. UpdateWeights' "accepted" header before its error
@@ -184,12 +172,8 @@ async def _fail(
 
 
 _default = Forwarder()
-# The process-wide forwarder's methods: ``forward_unary(target, method, request, context, *, metadata=(),
-# response_deserializer=None, unreachable_raises=False)`` and ``forward_stream(...)`` (same arguments).
-forward_unary = _default.unary
-forward_stream = _default.stream
 
 
 def default_forwarder() -> Forwarder:
-    """The process-wide forwarder behind ``forward_unary`` / ``forward_stream`` (``close`` it on shutdown)."""
+    """The process-wide forwarder (``close`` it on shutdown)."""
     return _default

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import grpc
 
-from server.forward import Metadata, OwnerUnreachable, default_forwarder, passthrough
+from server.forward import Metadata, OwnerUnreachable, Route, default_forwarder, passthrough
 from server.handlers import HandlerInterceptor
 
 log = logging.getLogger("primerl.ownership")
@@ -108,6 +108,10 @@ class OwnerInterceptorBase(HandlerInterceptor):
         )
         await self.take_over(owner, episode)
 
+    def _route(self, owner: Owner, method: str) -> Route:
+        """The call to ``owner``, marked as forwarded; an unreachable owner is raised, to be taken over."""
+        return Route(owner.target, method, metadata=self.hop(), unreachable_raises=True)
+
     def _unary(self, method: str, behavior: Any) -> Callable[..., Any]:
         forwarder = default_forwarder()
 
@@ -115,9 +119,7 @@ class OwnerInterceptorBase(HandlerInterceptor):
             owner = await self._owner_of(request, context)
             if owner is not None:
                 try:
-                    return await forwarder.unary(
-                        owner.target, method, request, context, metadata=self.hop(), unreachable_raises=True
-                    )
+                    return await forwarder.unary(self._route(owner, method), request, context)
                 except OwnerUnreachable as exc:
                     await self._unreachable(owner, request, context, exc)
             self.served_here(context)
@@ -132,9 +134,7 @@ class OwnerInterceptorBase(HandlerInterceptor):
             owner = await self._owner_of(request, context)
             if owner is not None:
                 try:
-                    async for item in forwarder.stream(
-                        owner.target, method, request, context, metadata=self.hop(), unreachable_raises=True
-                    ):
+                    async for item in forwarder.stream(self._route(owner, method), request, context):
                         yield item
                     return
                 except OwnerUnreachable as exc:

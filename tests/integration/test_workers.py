@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
-from server.forward import Forwarder, OwnerUnreachable, passthrough
+from server.forward import Forwarder, OwnerUnreachable, Route, passthrough
 from tests.conftest import StartBridge
 from tests.integration.redis_proc import PrivateRedis
 
@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [1, 4, 30, 31, 32, 2, 5]
 SAMPLING = pb.SamplingParams(max_tokens=6, ignore_eos=True, seed=7)
 SERVICE = "primerl.v1.PrimeRL"
+HOP = (("primerl-hop", "1"),)  # what the front server adds to every call it forwards
 
 
 def _free_port() -> int:
@@ -67,14 +68,14 @@ async def _front(target: str, forwarder: Forwarder) -> tuple[grpc.aio.Server, in
         if method.server_streaming:
 
             async def stream(request: bytes, context: Any, path: str = path) -> AsyncIterator[bytes]:
-                async for item in forwarder.stream(target, path, request, context, metadata=(("primerl-hop", "1"),)):
+                async for item in forwarder.stream(Route(target, path, metadata=HOP), request, context):
                     yield item
 
             handlers[name] = grpc.unary_stream_rpc_method_handler(stream, response_serializer=passthrough(None))
         else:
 
             async def unary(request: bytes, context: Any, path: str = path) -> bytes:
-                return await forwarder.unary(target, path, request, context, metadata=(("primerl-hop", "1"),))
+                return await forwarder.unary(Route(target, path, metadata=HOP), request, context)
 
             handlers[name] = grpc.unary_unary_rpc_method_handler(unary, response_serializer=passthrough(None))
     server = grpc.aio.server()
@@ -144,7 +145,9 @@ async def test_an_unreachable_owner_is_reported_or_raised() -> None:
 
     async def taker(request: bytes, context: Any) -> bytes:
         try:
-            return await forwarder.unary(dead, f"/{SERVICE}/GetServerInfo", request, context, unreachable_raises=True)
+            return await forwarder.unary(
+                Route(dead, f"/{SERVICE}/GetServerInfo", unreachable_raises=True), request, context
+            )
         except OwnerUnreachable as exc:
             raised.append(exc)
             return pb.ServerInfo(server_version="taken over").SerializeToString()
