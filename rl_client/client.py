@@ -144,16 +144,22 @@ class AsyncBridgeClient:
             resp.env_task_id,
         )
 
-    def _step_request(
-        self, episode_id: str, observation: Prompt | None, sampling: Sampling | Mapping[str, Any] | None, stream: bool
-    ) -> pb.StepRequest:
+    def _start_step(
+        self,
+        episode_id: str,
+        observation: Prompt | None,
+        sampling: Sampling | Mapping[str, Any] | None,
+        timeout: float | None,
+        stream: bool,
+    ) -> Any:
+        """Start a Step call (the stream of its chunks; one final chunk unless ``stream``)."""
         req = pb.StepRequest(episode_id=episode_id, sampling=sampling_params(sampling), stream=stream)
         if observation:
             if is_token_ids(observation):
                 req.observation_token_ids.ids.extend(int(x) for x in observation)  # type: ignore[arg-type]
             else:
                 req.observation_messages.CopyFrom(messages_pb(observation))  # type: ignore[arg-type]
-        return req
+        return self._stub.Step(req, timeout=timeout or self.timeout, metadata=self._metadata)
 
     async def stream_step(
         self,
@@ -164,8 +170,7 @@ class AsyncBridgeClient:
         timeout: float | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """Run one turn, yielding chunks as tokens are sampled (the last has ``done``)."""
-        req = self._step_request(episode_id, observation, sampling, stream=True)
-        call = self._stub.Step(req, timeout=timeout or self.timeout, metadata=self._metadata)
+        call = self._start_step(episode_id, observation, sampling, timeout, stream=True)
         ids: list[int] = []
         logprobs: list[float] = []
         origins: list[str] = []
@@ -208,8 +213,7 @@ class AsyncBridgeClient:
         timeout: float | None = None,
     ) -> TurnResult:
         """Run one turn and return it whole."""
-        req = self._step_request(episode_id, observation, sampling, stream=False)
-        call = self._stub.Step(req, timeout=timeout or self.timeout, metadata=self._metadata)
+        call = self._start_step(episode_id, observation, sampling, timeout, stream=False)
         final = False
         try:
             async for c in call:
