@@ -1,12 +1,13 @@
 """``primerl rl`` checkpoints resume bit-exactly (issue 23, acceptance 2).
 
-``primerl rl @ examples/grpo.toml --max-steps 6 --ckpt --ckpt.interval 3``, then ``--max-steps 10
---ckpt.resume-step 6``: steps 7-10 of the resumed run (a fresh bridge child, given the checkpoint's weights
-under the checkpoint's policy version) have the losses, gradient norms and rewards of an uninterrupted 10-step
-run. The rollouts are shrunk (groups of 4, one episode at a time so the engine's batching is the same in every
-run, no held-out evaluation) to keep the test short; everything else is the shipped example config, whose task
-the untrained model mostly fails, so most steps' groups disagree and train (non-zero gradients in steps 7-10
-are checked: restoring the optimizer's moments is exercised, not only the weights).
+``primerl rl @ examples/grpo.toml --max-steps 6 --ckpt --ckpt.interval 3`` runs uninterrupted and checkpoints
+steps 3 and 6; a second run, ``--max-steps 6 --ckpt.resume-step 3`` from the first's checkpoints (its own run
+directory, a fresh bridge child given the checkpoint's weights under the checkpoint's policy version), has the
+losses, gradient norms and rewards of the first run's steps 4-6. The rollouts are shrunk (groups of 4, one
+episode at a time so the engine's batching is the same in every run, no held-out evaluation) to keep the test
+short; everything else is the shipped example config, whose task the untrained model mostly fails, so most
+steps' groups disagree and train (non-zero gradients in steps 4-6 are checked: restoring the optimizer's
+moments is exercised, not only the weights).
 """
 
 from __future__ import annotations
@@ -38,18 +39,17 @@ def primerl_rl(out: Path, *flags: str) -> list[dict[str, float]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.timeout(3000)
+@pytest.mark.timeout(2400)
 def test_resumed_steps_equal_an_uninterrupted_run(tmp_path: Path) -> None:
-    first = primerl_rl(tmp_path / "a", "--max-steps", "6", "--ckpt", "--ckpt.interval", "3")
-    assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
-    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_3", "step_6"]
-    resumed = primerl_rl(tmp_path / "a", "--max-steps", "10", "--ckpt.resume-step", "6")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # one metrics file per run directory
-    straight = primerl_rl(tmp_path / "b", "--max-steps", "10")
-    assert [r["step"] for r in straight] == list(range(1, 11))
+    straight = primerl_rl(tmp_path / "a", "--max-steps", "6", "--ckpt", "--ckpt.interval", "3")
+    assert [r["step"] for r in straight] == [1, 2, 3, 4, 5, 6]
+    checkpoints = tmp_path / "a" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_3", "step_6"]
+    resumed = primerl_rl(tmp_path / "b", "--max-steps", "6", "--ckpt.dir", str(checkpoints), "--ckpt.resume-step", "3")
+    assert [r["step"] for r in resumed][-3:] == [4, 5, 6]
     keys = ("reward", "reward_std", "loss", "grad_norm", "policy_version", "trained_tokens", "clip_frac")
-    for got, want in zip(resumed[6:], straight[6:], strict=True):
+    for got, want in zip(resumed[-3:], straight[3:], strict=True):
         assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, (got["step"], got, want)
     # the compared steps trained: a group whose rewards differed has a non-zero gradient (GRPO's loss value itself
-    # is ~0 by construction, a group's advantages sum to zero); seeded, steps 7-9 train and step 10's group ties
-    assert sum(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in straight[6:]) >= 2, straight[6:]
+    # is ~0 by construction, a group's advantages sum to zero)
+    assert sum(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in straight[3:]) >= 2, straight[3:]
