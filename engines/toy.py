@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -63,6 +64,7 @@ tool call result query error done yes
 """.split()  # noqa: SIM905 - a word list reads better as text
 
 
+SEED_CACHE = 4096  # seeds whose SeedSequence is kept (a Generator from one costs a third of default_rng(seed))
 TOY_BASE_WEIGHTS = "toy:base"  # the toy's own name for its initial tables (EngineInfo.base_weights)
 CAPABILITIES = frozenset({Capability.RAW_LOGPROBS, Capability.MIN_P, Capability.DRAFT_VERIFY})
 
@@ -99,6 +101,28 @@ class ToyTokenizer:
         return [*close, *self._render(messages), ASSISTANT]
 
 
+@dataclass(slots=True)
+class _Run:
+    """One request's sampling state between the chunks ``ToyEngine.generate`` emits."""
+
+    history: list[int]  # the tokens so far (without a drafter, only the last two of the prompt and what follows)
+    params: SamplingParams
+    rng: np.random.Generator
+    drafter: Drafter | None
+    stops: set[int]
+    budget: int
+    want_raw: bool
+    # Draws may be taken a chunk at a time: the request's own generator (discarded after it), or the shared one
+    # when no stop can end the chunk early (every draw taken is then used, so the shared stream is unchanged).
+    predraw: bool
+    produced: int = 0
+    saved: int = 0  # tokens emitted beyond one per target forward (speculation)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)
+    origins: list[Origin] = field(default_factory=list)  # left empty by plain sampling: all sampled
+
+
 class ToyEngine:
     """In-process toy engine (see module docstring)."""
 
@@ -113,10 +137,12 @@ class ToyEngine:
         self._bigram[:, END] += config.end_bias - self._bigram[:, END].mean()
         # exp(bigram + trigram) = exp(bigram) * exp(trigram): plain sampling (temperature 1, no top-k/top-p)
         # needs one product per token instead of add, max, subtract and exp.
-        self._exp_bigram = np.exp(self._bigram)
+        self._set_bigram(self._bigram)
         self._base_bigram = self._bigram
         self._exp_trigram = np.exp(self._trigram)
+        self._trigram_rows = list(self._exp_trigram)
         self._rng = np.random.default_rng(config.seed + 1)
+        self._seeds: dict[int, np.random.SeedSequence] = {}
         self._last_id = v - 1
         self._aborted: set[str] = set()
         self._version = 0
@@ -143,20 +169,62 @@ class ToyEngine:
         prev = history[-2] if len(history) > 1 else BOS
         return self._bigram[last] + self._trigram[(prev * 31 + last) % 997]
 
+    def _set_bigram(self, bigram: np.ndarray) -> None:
+        self._bigram = bigram
+        self._exp_bigram = np.exp(bigram)
+        self._bigram_rows = list(self._exp_bigram)  # row views: a list index costs a tenth of an array index
+
+    def _generator(self, seed: int | None) -> np.random.Generator:
+        """The shared generator, or a fresh one for ``seed``: ``default_rng(seed)``'s stream, built from a kept
+        SeedSequence (hashing the seed is most of what ``default_rng`` costs)."""
+        if seed is None:
+            return self._rng
+        seq = self._seeds.get(seed)
+        if seq is None:
+            if len(self._seeds) >= SEED_CACHE:
+                self._seeds.clear()
+            seq = self._seeds[seed] = np.random.SeedSequence(seed)
+        return np.random.Generator(np.random.PCG64(seq))
+
     def _sample_plain(self, history: Sequence[int], rng: np.random.Generator) -> tuple[int, float]:
         """``sample(self.logits(history), temperature 1)`` from the exp tables: the same distribution."""
+        ids, logprobs, _ = self._sample_run(history, rng, 1, (), False)
+        return ids[0], logprobs[0]
+
+    def _sample_run(
+        self, history: Sequence[int], rng: np.random.Generator, n: int, stops: Collection[int], predraw: bool
+    ) -> tuple[list[int], list[float], bool]:
+        """Up to ``n`` tokens sampled plainly after ``history`` (``_sample_plain`` one after another, stopping
+        after a token in ``stops``): their ids, logprobs and whether a stop ended them. ``predraw``: the ``n``
+        uniform draws are taken in one call (the same stream as ``n`` calls)."""
+        rows, trigram, last_id, log = self._bigram_rows, self._trigram_rows, self._last_id, math.log
         last = history[-1] if history else BOS
         prev = history[-2] if len(history) > 1 else BOS
-        weights = self._exp_bigram[last] * self._exp_trigram[(prev * 31 + last) % 997]
-        # ndarray methods, not np.cumsum/np.searchsorted: the same computation without the array-function
-        # dispatch, which costs more than the arithmetic on a vocabulary this small; and .item(): Python
-        # floats, the same IEEE doubles as NumPy scalars, cheaper to compute with.
-        cdf = weights.cumsum()
-        total = cdf.item(-1)
-        token = min(int(cdf.searchsorted(rng.random() * total, side="right")), self._last_id)
-        while weights.item(token) == 0.0:  # a zero-width bucket can only be hit at its edge
-            token -= 1
-        return token, math.log(weights.item(token) / total)
+        draws = rng.random(n).tolist() if predraw else None
+        ids: list[int] = []
+        logprobs: list[float] = []
+        # The ufuncs called directly with positional output buffers (cumsum is add.accumulate), searchsorted
+        # with a positional side, .item() for Python floats: the same IEEE arithmetic as the array expressions,
+        # without their argument parsing, array-function dispatch and allocations, which on a vocabulary this
+        # small cost more than the arithmetic.
+        multiply, accumulate = np.multiply, np.add.accumulate
+        weights, cdf = np.empty(last_id + 1), np.empty(last_id + 1)
+        for i in range(n):
+            multiply(rows[last], trigram[(prev * 31 + last) % 997], weights)
+            accumulate(weights, 0, None, cdf)
+            total = cdf.item(-1)
+            u = draws[i] if draws is not None else rng.random()
+            token = int(cdf.searchsorted(u * total, "right"))
+            if token > last_id:  # u * total rounded up to the total
+                token = last_id
+            while weights.item(token) == 0.0:  # a zero-width bucket can only be hit at its edge
+                token -= 1
+            ids.append(token)
+            logprobs.append(log(weights.item(token) / total))
+            if token in stops:
+                return ids, logprobs, True
+            prev, last = last, token
+        return ids, logprobs, False
 
     def _forward(
         self,
@@ -187,77 +255,106 @@ class ToyEngine:
         token, logprob = sample(logits, params, rng)
         return [logits], [(token, logprob, Origin.SAMPLED)]
 
+    def _plain_chunk(self, run: _Run, every: int) -> bool:
+        """Sample plainly up to the next multiple of ``every`` tokens (or the budget); True if a stop ended it."""
+        n = min(every - run.produced % every, run.budget - run.produced)
+        ids, logprobs, stopped = self._sample_run(run.history, run.rng, n, run.stops, run.predraw)
+        run.history += ids
+        run.ids += ids
+        run.logprobs += logprobs
+        if run.want_raw:
+            run.raw += logprobs  # plain: raw = sampled
+        run.produced += len(ids)
+        return stopped
+
+    def _forward_chunk(self, run: _Run, every: int) -> bool:
+        """Target forwards until one reaches a multiple of ``every`` tokens (or the budget); True if a stop ended
+        them. (No await between them: an abort can only arrive between chunks.)"""
+        plain = run.params.temperature == 1.0 and unfiltered(run.params)  # a forward without a draft samples so
+        while True:
+            rows, emitted = self._forward(
+                run.history, run.params, run.rng, run.drafter, run.budget - run.produced - 1, plain
+            )
+            run.saved += len(emitted) - 1
+            for i, (token, logprob, origin) in enumerate(emitted):
+                if run.want_raw:
+                    run.raw.append(raw_logprob(rows[i], token) if rows else logprob)
+                run.history.append(token)
+                run.ids.append(token)
+                run.logprobs.append(logprob)
+                run.origins.append(origin)
+                run.produced += 1
+                if token in run.stops:
+                    return True
+            if run.produced >= run.budget or run.produced % every < len(emitted):
+                return False
+
+    def _take(
+        self, run: _Run, version: int, finish: FinishReason | None = None, usage: Usage | None = None
+    ) -> TokenChunk:
+        """The chunk of the tokens sampled since the previous one (``finish`` and ``usage``: the last chunk's)."""
+        chunk = TokenChunk(
+            tuple(run.ids),
+            tuple(run.logprobs),
+            version,
+            self._origins(run.origins),
+            finish_reason=finish,
+            usage=usage,
+            raw_logprobs=tuple(run.raw),
+        )
+        run.ids, run.logprobs, run.raw, run.origins = [], [], [], []
+        return chunk
+
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         params = request.params
-        rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.add(END)
-        history = list(request.token_ids)
-        prompt_len = len(history)
-        budget = min(params.max_tokens, self.config.max_model_len - prompt_len)
+        # The model reads the last two tokens; only a drafter reads the whole history (no copy of it otherwise).
+        history = list(request.token_ids if request.drafter is not None else request.token_ids[-2:])
+        prompt_len = len(request.token_ids)
+        run = _Run(
+            history,
+            params,
+            self._generator(params.seed),
+            request.drafter,
+            stops,
+            budget=min(params.max_tokens, self.config.max_model_len - prompt_len),
+            want_raw=params.raw_logprobs,
+            predraw=params.seed is not None or not stops,
+        )
         self.counters.requests += 1
         self.counters.prefill_tokens += prompt_len
         version = self._version
         finish = FinishReason.LENGTH
-        produced = 0
-        ids: list[int] = []
-        logprobs: list[float] = []
-        raw: list[float] = []
-        origins: list[Origin] = []
-        drafter = request.drafter
-        plain = params.temperature == 1.0 and unfiltered(params)
-        saved = 0  # tokens emitted beyond one per target forward (speculation)
-        delay, every, want_raw = self.config.token_delay_s, self.config.yield_every, params.raw_logprobs
-        aborted, forward, request_id = self._aborted, self._forward, request.request_id
+        plain = params.temperature == 1.0 and unfiltered(params) and request.drafter is None
+        # Plain sampling takes a chunk's tokens in one call; otherwise one target forward at a time.
+        fill = self._plain_chunk if plain else self._forward_chunk
+        delay, aborted, request_id = self.config.token_delay_s, self._aborted, request.request_id
+        every = 1 if delay else self.config.yield_every  # with a delay, every token is its own chunk
         try:
-            while produced < budget:
+            while run.produced < run.budget:
                 if request_id in aborted:
                     finish = FinishReason.ABORT
                     break
                 if delay:
                     await asyncio.sleep(delay)
-                rows, emitted = forward(history, params, rng, drafter, budget - produced - 1, plain)
-                saved += len(emitted) - 1
-                stopped = False
-                for i, (token, logprob, origin) in enumerate(emitted):
-                    if want_raw:
-                        raw.append(raw_logprob(rows[i], token) if rows else logprob)  # plain: raw = sampled
-                    history.append(token)
-                    ids.append(token)
-                    logprobs.append(logprob)
-                    origins.append(origin)
-                    produced += 1
-                    if token in stops:
-                        stopped = True
-                        break
-                if stopped:
+                if fill(run, every):
                     finish = FinishReason.STOP
                     break
-                if produced < budget and (delay or produced % every < len(emitted)):
+                if run.produced < run.budget:
                     # Emit what we have and let other episodes and cancellation in. Not after
                     # every token: one event-loop turn costs ~100 us inside a grpc.aio server,
                     # more than a toy token, so tokens go out in batches as real engines do.
                     # Not at the budget either: the last chunk below carries those tokens.
-                    yield TokenChunk(
-                        tuple(ids), tuple(logprobs), version, self._origins(origins), raw_logprobs=tuple(raw)
-                    )
-                    ids, logprobs, raw, origins = [], [], [], []
+                    yield self._take(run, version)
                     if not delay:
                         await asyncio.sleep(0)
-            usage = Usage(prompt_tokens=prompt_len, cached_tokens=0, generated_tokens=produced)
-            yield TokenChunk(
-                tuple(ids),
-                tuple(logprobs),
-                version,
-                self._origins(origins),
-                finish_reason=finish,
-                usage=usage,
-                raw_logprobs=tuple(raw),
-            )
+            usage = Usage(prompt_tokens=prompt_len, cached_tokens=0, generated_tokens=run.produced)
+            yield self._take(run, version, finish, usage)
         finally:
-            self.counters.generated_tokens += produced
-            self.counters.forward_passes += produced - saved
+            self.counters.generated_tokens += run.produced
+            self.counters.forward_passes += run.produced - run.saved
             self._aborted.discard(request.request_id)
 
     @staticmethod
@@ -274,11 +371,10 @@ class ToyEngine:
     async def update_weights(self, update: WeightUpdate) -> None:
         """The toy "weights" are its seed: a new version perturbs the tables deterministically."""
         if update.checkpoint_path == TOY_BASE_WEIGHTS:  # back to the tables it started with
-            self._bigram = self._base_bigram
+            self._set_bigram(self._base_bigram)
         else:
             rng = np.random.default_rng([self.config.seed, update.policy_version])
-            self._bigram = self._bigram + rng.normal(0.0, 0.5, size=self._bigram.shape)
-        self._exp_bigram = np.exp(self._bigram)
+            self._set_bigram(self._bigram + rng.normal(0.0, 0.5, size=self._bigram.shape))
         self._version = update.policy_version
 
     async def release(self, episode_id: str) -> None:

@@ -4,9 +4,10 @@ Acceptance is a type, not a message: ``prepare_step`` either raises (nothing was
 a ``StepHandle`` (the episode is busy, the turn routed and, for a plain episode, opened with its
 observation appended). The caller then iterates ``updates()`` and always calls ``close()``.
 
-The path of one Step has two async-generator layers between the RPC handler and the engine adapter:
-``StepHandle.updates`` -> ``Turns.generate`` -> ``Engine.generate`` (three with an environment, whose
-tool loop samples several turns: ``updates`` -> ``_env_turns`` -> ``Turns.generate``).
+The path of one Step has one async-generator layer between the RPC handler and the engine adapter:
+``StepHandle.updates`` hands out ``Turns.generate`` -> ``Engine.generate`` itself; two with persistence
+(``_updates`` holds the last update back) and three with an environment, whose tool loop samples several
+turns: ``_updates`` -> ``_env_turns`` -> ``Turns.generate``.
 
 Invariants:
 - ``close`` runs exactly once whatever happened (stream finished, failed, cancelled, never started):
@@ -52,8 +53,18 @@ class StepHandle:
     opened_turns: int = 0  # how many turns the episode had when the Step was accepted
     closed: bool = False
 
-    async def updates(self) -> AsyncGenerator[StepUpdate, None]:
-        """The tokens as they are appended to the episode; the last update has ``turn`` and ``last``."""
+    def updates(self) -> AsyncGenerator[StepUpdate, None]:
+        """The tokens as they are appended to the episode; the last update has ``turn`` and ``last``.
+
+        A plain Step whose last update need not wait (no persistence) streams its turn as is: the caller's
+        ``close`` releases it (one async-generator layer less on every Step and chunk)."""
+        if self.session is None and not self.hold_last:
+            assert self.turn is not None and self.turn_params is not None
+            return self.turns.generate(self.episode, self.turn, self.turn_params, self.deadline)
+        return self._updates()
+
+    async def _updates(self) -> AsyncGenerator[StepUpdate, None]:
+        """``updates`` of an env Step or of a Step whose last update waits for ``close``."""
         final: StepUpdate | None = None
         if self.session is not None:
             source = self._env_turns(self.session)

@@ -125,3 +125,39 @@ async def test_toy_engine_samples_min_p_exactly() -> None:
     assert 1 < support.sum() < 50  # min-p cut most of the toy's 512 tokens
     assert counts[~support].sum() == 0
     assert stats.chisquare(counts[support], expected[support]).pvalue > 0.01
+
+
+async def test_toy_turns_draw_what_token_by_token_sampling_draws() -> None:
+    """A toy turn samples a chunk in one call and may take its uniform draws at once: its tokens and logprobs are
+    those of ``_sample_plain`` one token at a time, and a turn that stops mid-chunk leaves the shared generator
+    where token-by-token sampling leaves it (the next unseeded turns still match)."""
+    from engines.toy import END
+    from engines.types import FinishReason, GenerateRequest
+
+    config = ToyConfig(yield_every=5)
+    engine, reference = ToyEngine(config), ToyEngine(config)
+    cases = [
+        SamplingParams(max_tokens=23, ignore_eos=True),
+        SamplingParams(max_tokens=40),
+        SamplingParams(max_tokens=23, ignore_eos=True, seed=5),
+        SamplingParams(max_tokens=40, seed=5, stop_token_ids=(12,)),
+        SamplingParams(max_tokens=40, raw_logprobs=True),
+        SamplingParams(max_tokens=40, stop_token_ids=tuple(range(8, 512, 3))),  # stops within a few tokens
+    ]
+    stopped = 0
+    for prompt in ([1, 4, 30], [1], [1, 5, 9, 2, 7]):
+        for params in cases:
+            chunks = [c async for c in engine.generate(GenerateRequest("r", tuple(prompt), params))]
+            rng = np.random.default_rng(params.seed) if params.seed is not None else reference._rng
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {END})
+            history, want = list(prompt), list[tuple[int, float]]()
+            while len(want) < params.max_tokens and (not want or want[-1][0] not in stops):
+                token, logprob = reference._sample_plain(history, rng)
+                history.append(token)
+                want.append((token, logprob))
+            assert [(t, lp) for c in chunks for t, lp in zip(c.token_ids, c.logprobs, strict=True)] == want
+            assert all(len(c.token_ids) == 5 for c in chunks[:-1]) and all(not c.origins for c in chunks)
+            if params.raw_logprobs:
+                assert [x for c in chunks for x in c.raw_logprobs] == [lp for _, lp in want]
+            stopped += params.seed is None and chunks[-1].finish_reason == FinishReason.STOP
+    assert stopped  # an unseeded turn stopped mid-chunk, and the unseeded turns after it still matched
