@@ -453,8 +453,6 @@ class Bridge:
         self.store.pop(episode.id, req.tenant)
         if self.fleet is not None:
             await self.fleet.disown(episode.id)
-        if self.fleet is not None:
-            await self.fleet.disown(episode.id)
         await self._forget(episode)
         rewards = req.rewards
         if (session := self._envs.pop(episode.id, None)) is not None:
