@@ -115,6 +115,7 @@ class _Run:
     # Draws may be taken a chunk at a time: the request's own generator (discarded after it), or the shared one
     # when no stop can end the chunk early (every draw taken is then used, so the shared stream is unchanged).
     predraw: bool
+    plain: bool  # temperature 1, no filter: sampled from the exp tables (a forward without a draft too)
     produced: int = 0
     saved: int = 0  # tokens emitted beyond one per target forward (speculation)
     ids: list[int] = field(default_factory=list)
@@ -270,10 +271,9 @@ class ToyEngine:
     def _forward_chunk(self, run: _Run, every: int) -> bool:
         """Target forwards until one reaches a multiple of ``every`` tokens (or the budget); True if a stop ended
         them. (No await between them: an abort can only arrive between chunks.)"""
-        plain = run.params.temperature == 1.0 and unfiltered(run.params)  # a forward without a draft samples so
         while True:
             rows, emitted = self._forward(
-                run.history, run.params, run.rng, run.drafter, run.budget - run.produced - 1, plain
+                run.history, run.params, run.rng, run.drafter, run.budget - run.produced - 1, run.plain
             )
             run.saved += len(emitted) - 1
             for i, (token, logprob, origin) in enumerate(emitted):
@@ -322,14 +322,14 @@ class ToyEngine:
             budget=min(params.max_tokens, self.config.max_model_len - prompt_len),
             want_raw=params.raw_logprobs,
             predraw=params.seed is not None or not stops,
+            plain=params.temperature == 1.0 and unfiltered(params),
         )
         self.counters.requests += 1
         self.counters.prefill_tokens += prompt_len
         version = self._version
         finish = FinishReason.LENGTH
-        plain = params.temperature == 1.0 and unfiltered(params) and request.drafter is None
-        # Plain sampling takes a chunk's tokens in one call; otherwise one target forward at a time.
-        fill = self._plain_chunk if plain else self._forward_chunk
+        # Plain sampling without a drafter takes a chunk's tokens in one call; otherwise one target forward at a time.
+        fill = self._plain_chunk if run.plain and request.drafter is None else self._forward_chunk
         delay, aborted, request_id = self.config.token_delay_s, self._aborted, request.request_id
         every = 1 if delay else self.config.yield_every  # with a delay, every token is its own chunk
         try:
