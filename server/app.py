@@ -30,7 +30,7 @@ from server.bridge import Bridge
 from server.config import Settings
 from server.control_member import join_fleet
 from server.control_router import FleetOwnerInterceptor
-from server.errors import InvalidArgument
+from server.errors import InvalidArgument, PrimeRLError
 from server.http import HttpFrontDoor, create_app
 from server.persistence import EpisodeJournal
 from server.service import PrimeRLService
@@ -157,6 +157,17 @@ class BridgeServer:
         self.stop_phase = "exiting the process"
 
 
+async def _drop_leases(journal: EpisodeJournal, worker: WorkerSlot) -> None:
+    """A worker replacing a crashed one: drop the Step leases the dead process held (its episodes' next Steps
+    would otherwise be refused as busy until the leases expire)."""
+    try:
+        dropped = await journal.break_leases_of(worker.predecessor)
+    except PrimeRLError as exc:
+        log.warning("could not drop the Step leases of the crashed worker: %s (they expire on their own)", exc.message)
+        return
+    log.info("dropped %d Step lease(s) the crashed worker %d held", dropped, worker.index)
+
+
 async def create_server(
     settings: Settings,
     engines: Sequence[Engine] | None = None,
@@ -175,8 +186,10 @@ async def create_server(
     if settings.persistence.enabled:
         if not settings.redis.url:
             raise InvalidArgument("persistence.enabled needs redis.url (the Redis that keeps the episodes)")
-        journal = EpisodeJournal(settings.redis.url, settings.persistence)
+        journal = EpisodeJournal(settings.redis.url, settings.persistence, worker.lease_owner if worker else "")
         log.info("episode persistence on: %s (prefix %r)", settings.redis.url, settings.persistence.key_prefix)
+        if worker is not None and worker.predecessor:
+            await _drop_leases(journal, worker)
     engines = list(engines) if engines is not None else await make_engines(settings.engine)
     metrics = BridgeMetrics()
     bridge = Bridge(

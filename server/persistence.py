@@ -8,7 +8,8 @@ Invariants
 * Every record carries ``rev`` (incremented per write). A bridge reloads an episode when it does not hold it or
   holds an older revision, so turns sent alternately through two bridges see one history.
 * A Step holds a lease on its episode (``SET NX PX``, owner token) across bridges; a second Step anywhere gets
-  FAILED_PRECONDITION. A lease expires on its own if its bridge dies.
+  FAILED_PRECONDITION. A lease expires on its own if its bridge dies (``lease_ms``); a crashed bridge worker's
+  leases are dropped at once by the worker that replaces it (``break_leases_of``).
 * Token arrays are stored as raw little-endian bytes (int32 ids, float64 logprobs, int8 origins, int64
   versions): a round trip is bit-exact, NaNs included.
 * Every Redis call has a timeout; errors surface as :class:`PersistenceUnavailable` and the bridge decides
@@ -146,14 +147,20 @@ def decode(data: bytes) -> tuple[Episode, int]:
     return episode, int(r["rev"])
 
 
+# Delete KEYS[1] only while it holds ARGV[1] (a lease's owner token), in one step.
+_COMPARE_AND_DELETE = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+)
+
+
 class EpisodeJournal:
     """Episode records and Step leases in Redis."""
 
-    def __init__(self, url: str, config: PersistenceConfig) -> None:
+    def __init__(self, url: str, config: PersistenceConfig, owner: str = "") -> None:
         import redis.asyncio as aioredis
 
         self.config = config
-        self.owner = secrets.token_hex(8)  # this bridge process, for leases
+        self.owner = owner or secrets.token_hex(8)  # this bridge process, for leases (a worker's: set by its parent)
         self._redis = aioredis.from_url(
             url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s, retry_on_timeout=False
         )
@@ -216,15 +223,30 @@ class EpisodeJournal:
 
     async def release(self, episode_id: str) -> None:
         """Drop our lease (only ours: a compare-and-delete in one script)."""
-        script = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
-        await self._call("release the lease", self._redis.eval(script, 1, self._key("lease", episode_id), self.owner))
+        key = self._key("lease", episode_id)
+        await self._call("release the lease", self._redis.eval(_COMPARE_AND_DELETE, 1, key, self.owner))
 
     async def break_lease(self, episode_id: str, holder: str) -> bool:
         """Drop the lease ``holder`` (another bridge's ``owner``) holds, when that bridge is known dead (the fleet
         router found it unreachable); compare-and-delete, so a lease a live bridge took since is kept."""
-        script = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
         key = self._key("lease", episode_id)
-        return bool(await self._call("break a dead bridge's lease", self._redis.eval(script, 1, key, holder)))
+        return bool(
+            await self._call("break a dead bridge's lease", self._redis.eval(_COMPARE_AND_DELETE, 1, key, holder))
+        )
+
+    async def break_leases_of(self, holder: str) -> int:
+        """Drop every lease ``holder`` holds (a bridge process known dead: a crashed worker, for the worker
+        that replaces it); how many were dropped. Leases are few (one per Step in flight), so one SCAN of
+        the lease keys; each is compare-and-deleted, so a lease a live process took since is kept."""
+        dropped, cursor = 0, 0
+        pattern = self._key("lease", "*")
+        while True:
+            cursor, keys = await self._call("list leases", self._redis.scan(cursor, match=pattern, count=500))
+            for key in keys:
+                eval_ = self._redis.eval(_COMPARE_AND_DELETE, 1, key, holder)
+                dropped += int(await self._call("break a dead bridge's lease", eval_))
+            if cursor == 0:
+                return dropped
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -15,7 +15,10 @@ Layout
   trailer (the worker that ran them) and, when forwarded, ``primerl-forwarded-by``.
 * A dead owner: with persistence on, the worker that got the call takes the episode over (it loads the
   record from Redis, as a second bridge would); with it off the episode is lost with the worker and the
-  call fails UNAVAILABLE saying so. The parent logs which case applies when it restarts a worker.
+  call fails UNAVAILABLE saying so. The parent logs which case applies when it restarts a worker. A worker
+  killed mid-Step leaves that episode's Step lease behind: each worker process leases with a token its
+  parent gave it, and the worker that replaces a crashed one drops every lease its predecessor held before
+  it serves, so the episode's next Step need not wait for the lease to expire (``persistence.lease_ms``).
 * UpdateWeights runs on the worker that got it, then on every other worker at the version it chose (each
   worker has its own engines); a worker it fails on is named in the error. With ``fleet.enabled`` the
   fleet's control plane keeps the versions instead (each worker is a fleet member). A worker restarted after
@@ -35,6 +38,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -69,6 +73,8 @@ class WorkerSlot:
     index: int
     addresses: tuple[str, ...]
     broadcast_weights: bool = True  # UpdateWeights reaches every worker (off when the fleet's control plane does it)
+    lease_owner: str = ""  # this worker process's token in the Step leases it takes (persistence on)
+    predecessor: str = ""  # the lease token of the crashed worker this one replaces: its leases are dropped
 
     @property
     def count(self) -> int:
@@ -239,13 +245,15 @@ class Supervisor:
         self.procs: list[BaseProcess] = []
         self._started: list[float] = [0.0] * count
         self._fast_failures = [0] * count
+        self._tokens = [""] * count  # each worker process's lease token
         self._signals = 0
 
-    def _start(self, index: int) -> BaseProcess:
+    def _start(self, index: int, predecessor: str = "") -> BaseProcess:
+        """Start worker ``index`` (``predecessor``: the lease token of the crashed worker it replaces)."""
+        self._tokens[index] = f"w{index}-{secrets.token_hex(8)}"
+        slot = WorkerSlot(index, self.addresses, not self.settings.fleet.enabled, self._tokens[index], predecessor)
         proc = self._ctx.Process(
-            target=_worker_main,
-            args=(self.settings, WorkerSlot(index, self.addresses, not self.settings.fleet.enabled), self.log_level),
-            name=f"primerl-worker-{index}",
+            target=_worker_main, args=(self.settings, slot, self.log_level), name=f"primerl-worker-{index}"
         )
         proc.start()
         self._started[index] = time.monotonic()
@@ -271,7 +279,7 @@ class Supervisor:
             log.error("worker %d died %d times within %.0f s of starting: giving up", index, MAX_FAST_FAILURES, lived)
             return False
         lost = (
-            "its open episodes resume from Redis (persistence on)"
+            "its open episodes resume from Redis (persistence on; the Step leases it held are dropped)"
             if self.settings.persistence.enabled
             else "its open episodes are LOST (persistence off; set persistence.enabled to keep them)"
         )
@@ -284,7 +292,7 @@ class Supervisor:
             lost,
         )
         time.sleep(min(0.2 * 2 ** self._fast_failures[index], 5.0))  # back off a worker that keeps failing
-        self.procs[index] = self._start(index)
+        self.procs[index] = self._start(index, predecessor=self._tokens[index])
         return True
 
     def run(self) -> int:

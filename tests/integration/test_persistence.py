@@ -72,6 +72,24 @@ async def test_journal_saves_loads_leases_and_lists(redis_server: PrivateRedis) 
         await other.close()
 
 
+async def test_a_dead_processs_leases_are_dropped_and_no_others(redis_server: PrivateRedis) -> None:
+    """``break_leases_of``: every lease the dead token holds goes, a live process's leases stay."""
+    config = PersistenceConfig(enabled=True, key_prefix="t3")
+    dead, live, heir = (EpisodeJournal(redis_server.url, config, owner) for owner in ("w1-dead", "w0-live", "w1-new"))
+    try:
+        for ep in ("ep-a", "ep-b", "ep-c"):
+            assert await dead.acquire(ep)
+        assert await live.acquire("ep-d")
+        assert await heir.break_leases_of("w1-dead") == 3
+        assert await heir.break_leases_of("w1-dead") == 0
+        assert all([await heir.acquire(ep) for ep in ("ep-a", "ep-b", "ep-c")])
+        assert not await heir.acquire("ep-d")  # still the live process's
+        assert await heir.break_leases_of("w0-live-other") == 0 and not await dead.acquire("ep-d")
+    finally:
+        for journal in (dead, live, heir):
+            await journal.close()
+
+
 async def test_redis_down_is_a_clear_persistence_error(redis_server: PrivateRedis) -> None:
     journal = EpisodeJournal(redis_server.url, PersistenceConfig(enabled=True, timeout_s=0.5))
     try:

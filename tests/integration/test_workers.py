@@ -175,7 +175,7 @@ async def test_an_unreachable_owner_is_reported_or_raised() -> None:
 class Workers:
     """A real ``primerl serve --workers 2`` (toy engine, persistence in a private Redis) and its log."""
 
-    def __init__(self, log_path: Path, redis_url: str) -> None:
+    def __init__(self, log_path: Path, redis_url: str, **extra: str) -> None:
         self.port, self.log_path = _free_port(), log_path
         self.http_port, self.metrics_port = _free_port(), _free_pair()
         env = {
@@ -185,6 +185,7 @@ class Workers:
             "PRIMERL_REDIS__URL": redis_url,
             "PRIMERL_PERSISTENCE__ENABLED": "true",
             "PRIMERL_SERVER__GRACE_PERIOD_S": "2",
+            **extra,
         }
         cmd = [sys.executable, "-m", "server", "serve", "--engine", "toy", "--workers", "2", "--port", str(self.port)]
         with log_path.open("wb") as out:
@@ -311,6 +312,46 @@ async def test_a_killed_worker_is_restarted_and_its_episode_goes_on(workers: Wor
         workers.wait_for(r"worker 1 primerl\.server \[-\]: PrimeRL bridge serving", count=2)
     async with AsyncExitStack() as stack:
         await _by_worker(workers.port, stack)  # the restarted worker takes connections again
+
+
+async def test_a_worker_killed_mid_step_leaves_no_lease_behind(tmp_path: Path) -> None:
+    """A worker killed while a Step holds its episode's lease: its replacement drops that lease, so the next
+    Step is served at once (not refused as busy until ``persistence.lease_ms``, 15 minutes, has passed), from
+    the record as it was before the killed Step (whose tokens were never persisted)."""
+    redis = PrivateRedis()
+    redis.start()
+    # 20 ms a token: a 200-token Step is still running when its worker is killed.
+    proc = Workers(tmp_path / "serve.log", redis.url, PRIMERL_ENGINE__TOY__TOKEN_DELAY_S="0.02")
+    try:
+        proc.wait_for(r"worker \d primerl\.server \[-\]: PrimeRL bridge serving", count=2)
+        async with AsyncExitStack() as stack:
+            stubs = await _by_worker(proc.port, stack)
+            start = pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT))
+            ep = (await stubs[1].StartEpisode(start, timeout=30)).episode_ids[0]
+            long = pb.StepRequest(
+                episode_id=ep, stream=True, sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True)
+            )
+            call = stubs[1].Step(long, timeout=60)
+            assert (await call.read()).token_ids  # streaming: the lease is held
+            victim = proc.pids()[1]
+            os.kill(victim, signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError):
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            proc.wait_for(r"worker 1 primerl\.server \[-\]: PrimeRL bridge serving", count=2)  # restarted
+
+            short = pb.SamplingParams(max_tokens=4, ignore_eos=True)
+            step = pb.StepRequest(episode_id=ep, observation_token_ids=pb.TokenIds(ids=[9, 8]), sampling=short)
+            tokens = [t async for c in stubs[0].Step(step, timeout=60) for t in c.token_ids]
+            end = await stubs[0].EndEpisode(pb.EndEpisodeRequest(episode_id=ep, rewards=[1.0]), timeout=60)
+            assert len(tokens) == 4 and list(end.trajectory.token_ids) == [*PROMPT, 9, 8, *tokens]
+            assert "dropped 1 Step lease(s) the crashed worker 1 held" in proc.log()
+        assert proc.close() == 0, proc.log()
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait(10)
+        redis.close()
 
 
 async def test_update_weights_reaches_every_worker(workers: Workers) -> None:
