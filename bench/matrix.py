@@ -33,6 +33,9 @@ class Bench:
 
 MATRIX: tuple[Bench, ...] = (
     Bench("bridge_overhead", "bridge vs the toy engine in-process", ("--steps", "200", "--seconds", "4")),
+    Bench(
+        "step_cost", "a Step's server CPU by layer, bare gRPC to the whole bridge", ("--seconds", "2", "--rounds", "3")
+    ),
     Bench("http_frontdoor", "HTTP front door vs in-process and gRPC", ("--turns", "200", "--seconds", "4")),
     Bench(
         "embedded_engine",

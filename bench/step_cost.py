@@ -1,0 +1,165 @@
+"""Where a Step's server CPU goes: the bridge built up from the bare gRPC floor, one layer at a time.
+
+``bench/bridge_overhead.py`` compares the whole bridge with the floor (bench/grpc_floor.py). This benchmark
+splits the difference. Five servers, each in its own process, measured alternately in one run (64 unary
+16-token Steps in flight, as bridge_overhead's throughput load), each step adding one layer:
+
+1. ``floor``: the bare ``grpc.aio`` server answering the same Step at once;
+2. ``server``: a real bridge process (its interceptors, health, reflection, metrics, background tasks) whose
+   Step handler is the floor's: what the bridge's server costs around a Step;
+3. ``step path``: the bridge's own Step (validate, admit, route, open, stream, close, build the chunk) on a
+   toy engine whose sampling is replaced by constant tokens, on episodes that never end;
+4. ``episodes``: the same, with each episode ended after 32 turns and a fresh one started (StartEpisode and
+   EndEpisode CPU counted per Step, as in bridge_overhead);
+5. ``toy engine``: the real toy engine's sampling: the bridge exactly as bridge_overhead measures it.
+
+The layers are switched off by patching the bridge process at start-up (``--as-bridge``), never in the
+library. Each layer's cost is the difference of the medians of two neighbouring rows.
+
+Run: ``python -m bench.step_cost [--seconds 4] [--rounds 5]`` (about 2 minutes at the defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+
+from bench._common import free_port, pct, record
+from bench.bridge_overhead import TURNS_PER_EPISODE, load, start_floor, through_bridge
+from rl_client import AsyncBridgeClient
+from rl_client.errors import UnavailableError
+
+ROOT = Path(__file__).resolve().parents[1]
+ENDLESS = 10**9  # turns per episode: the episode is never ended during the measurement
+# (name, what the row adds, server patches, turns per episode; None: the floor process)
+LAYERS: tuple[tuple[str, str, str, int | None], ...] = (
+    ("floor", "bare grpc.aio server (bench/grpc_floor.py)", "", None),
+    ("server", "the bridge's server around the floor's Step handler", "floor-step", ENDLESS),
+    ("step path", "the bridge's Step, toy sampling replaced by constant tokens", "constant-tokens", ENDLESS),
+    ("episodes", f"StartEpisode + EndEpisode every {TURNS_PER_EPISODE} turns", "constant-tokens", TURNS_PER_EPISODE),
+    ("toy engine", "the toy engine's real sampling (the bridge as bridge_overhead runs it)", "", TURNS_PER_EPISODE),
+)
+
+
+def patch(switches: str) -> None:
+    """Switch layers off in this (bridge) process, before the server is built."""
+    names = set(filter(None, switches.split(",")))
+    if "constant-tokens" in names:
+        from engines.toy import ToyEngine
+
+        def constant(self: Any, history: Any, rng: Any, n: int, stops: Any, predraw: bool) -> Any:
+            return [100] * n, [-1.5] * n, False
+
+        ToyEngine._sample_run = constant  # type: ignore[method-assign]
+    if "floor-step" in names:
+        from bench import grpc_floor
+        from server.service import PrimeRLService
+
+        async def step(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            async for chunk in grpc_floor.step(request, context):
+                yield chunk
+
+        PrimeRLService.Step = step  # type: ignore[method-assign]
+
+
+def start_patched(switches: str) -> tuple[subprocess.Popen[bytes], int]:
+    """A toy bridge process with the layers ``switches`` names switched off (``patch``), on a free port."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.step_cost", "--as-bridge", switches, "serve", "--engine", "toy"]
+    cmd += ["--port", str(port), "--metrics-port", "0", "--log-level", "WARNING"]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PRIMERL_HTTP__PORT": "0"}), port
+
+
+@asynccontextmanager
+async def serving(switches: str, floor: bool) -> AsyncIterator[tuple[AsyncBridgeClient, int]]:
+    """A client of a fresh server process (the floor, or a toy bridge patched by ``switches``), warmed up."""
+    proc, port = start_floor() if floor else start_patched(switches)
+    try:
+        async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
+            if floor or "floor-step" in switches:
+                for _ in range(300):  # until it listens
+                    try:
+                        await client.step("floor")
+                        break
+                    except UnavailableError:
+                        await asyncio.sleep(0.1)
+            else:
+                await client.wait_until_ready(60)
+                await through_bridge(client, 20, 16, False)  # warm-up
+            yield client, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+async def measure(seconds: float, rounds: int) -> dict[str, list[float]]:
+    """Server CPU-seconds per Step of each layer, ``rounds`` times, in alternating order."""
+    out: dict[str, list[float]] = {name: [] for name, *_ in LAYERS}
+    for r in range(rounds):
+        for name, _, switches, turns in LAYERS if r % 2 == 0 else reversed(LAYERS):
+            bare = turns is None or "floor-step" in switches
+            async with serving(switches, floor=turns is None) as (client, pid):
+                _, per_cpu_s, _ = await load(client, pid, seconds, floor=bare, turns=turns or 1)
+            out[name].append(1 / per_cpu_s)
+            print(f"round {r + 1}/{rounds}: {name}: {1e6 / per_cpu_s:,.0f} us per Step", flush=True)
+    return out
+
+
+async def main(seconds: float, rounds: int) -> None:
+    runs = await measure(seconds, rounds)
+    med = {name: pct(xs, 50) for name, xs in runs.items()}
+    floor = med["floor"]
+    rows = []
+    previous = 0.0
+    for name, what, _, _ in LAYERS:
+        added = med[name] - previous
+        rows.append(
+            (
+                f"{name}: {what}",
+                f"{med[name] * 1e6:,.0f} us ({med[name] / floor:.2f}x the floor); this layer "
+                f"{added * 1e6:+,.0f} us (runs: {', '.join(f'{x * 1e6:.0f}' for x in runs[name])})",
+                "",
+            )
+        )
+        previous = med[name]
+    total = med["toy engine"]
+    rows.append(
+        (
+            "bridge without the toy engine's sampling / floor (what the bridge itself adds)",
+            f"{med['episodes'] / floor:.2f}x",
+            "",
+        )
+    )
+    figures = {f"{name.replace(' ', '_')}_cpu_us_per_step": med[name] * 1e6 for name, *_ in LAYERS}
+    record(
+        "step_cost",
+        "Step cost by layer (toy engine, 64 unary 16-token Steps in flight)",
+        rows,
+        figures,
+        notes=f"Each server in its own process, the client in this one; {rounds} alternating rounds of {seconds:g} s "
+        "per layer; medians. A layer's cost is its row minus the row above (the medians are of different runs, so "
+        "a small layer can come out within the noise, even negative).",
+        ratios={"bridge_over_floor": total / floor, "bridge_without_engine_over_floor": med["episodes"] / floor},
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--as-bridge"]:
+        patch(sys.argv[2])
+        from server.cli import main as serve_main
+
+        sys.exit(serve_main(sys.argv[3:]))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=4.0, help="measured load per layer and round")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    args = ap.parse_args()
+    asyncio.run(main(args.seconds, args.rounds))
