@@ -158,10 +158,17 @@ async def serving(
 ) -> AsyncIterator[tuple[AsyncBridgeClient, int]]:
     """A client of a fresh server process and its pid: the bare gRPC floor (``floor``) or a toy bridge (of the
     code in ``tree``, None: this tree; ``env``: extra PRIMERL_* settings), warmed up."""
-    if floor:
-        proc, port = start_floor()
-    else:
-        proc, port = start_bridge("--engine", "toy", env=env, tree=tree)
+    proc, port = start_floor() if floor else start_bridge("--engine", "toy", env=env, tree=tree)
+    async with client_of(proc, port, floor) as served:
+        yield served
+
+
+@asynccontextmanager
+async def client_of(
+    proc: subprocess.Popen[bytes], port: int, floor: bool
+) -> AsyncIterator[tuple[AsyncBridgeClient, int]]:
+    """A warmed-up client of the server process ``proc`` on ``port`` and its pid; the process is stopped after.
+    ``floor``: it serves Step only (the floor's handler: no health service, no episodes)."""
     try:
         async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
             if floor:

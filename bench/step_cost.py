@@ -34,9 +34,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
 
 from bench._common import free_port, pct, record
-from bench.bridge_overhead import TURNS_PER_EPISODE, load, start_floor, through_bridge
+from bench.bridge_overhead import TURNS_PER_EPISODE, client_of, load, start_floor
 from rl_client import AsyncBridgeClient
-from rl_client.errors import UnavailableError
 
 ROOT = Path(__file__).resolve().parents[1]
 ENDLESS = 10**9  # turns per episode: the episode is never ended during the measurement
@@ -83,22 +82,8 @@ def start_patched(switches: str) -> tuple[subprocess.Popen[bytes], int]:
 async def serving(switches: str, floor: bool) -> AsyncIterator[tuple[AsyncBridgeClient, int]]:
     """A client of a fresh server process (the floor, or a toy bridge patched by ``switches``), warmed up."""
     proc, port = start_floor() if floor else start_patched(switches)
-    try:
-        async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
-            if floor or "floor-step" in switches:
-                for _ in range(300):  # until it listens
-                    try:
-                        await client.step("floor")
-                        break
-                    except UnavailableError:
-                        await asyncio.sleep(0.1)
-            else:
-                await client.wait_until_ready(60)
-                await through_bridge(client, 20, 16, False)  # warm-up
-            yield client, proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    async with client_of(proc, port, floor or "floor-step" in switches) as served:
+        yield served
 
 
 async def measure(seconds: float, rounds: int) -> dict[str, list[float]]:
