@@ -74,8 +74,9 @@ demo-chat: setup
 demo-ppo: setup
 	$(PY) examples/ppo_train.py
 
+# --durations: the 25 slowest tests close the log, to see where CI's time goes.
 test: setup check-proto lint vllm-env verifiers-env
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 	$(MAKE) --no-print-directory gate-fast
 
 # Deterministic, count-based performance figures vs bench/baselines.json (part of make test).

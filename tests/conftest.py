@@ -34,19 +34,32 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_memory() -> Iterator[None]:
-    """After each module, collect its garbage and hand the freed heap pages back to the OS. Modules that run
-    models in this process (trainers, embedded engines) free gigabytes that glibc's arenas otherwise keep: the
-    pytest process held 11-13 GB by the RL tests and, beside the vLLM servers and training children, was
-    OOM-killed on a 24 GB machine."""
-    yield
+def release_memory(what: str) -> None:
+    """Collect garbage and hand the freed heap pages back to the OS (``PRIMERL_TEST_RSS=1``: print the RSS)."""
     before = _rss_mib()
     gc.collect()
     if hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
     if os.environ.get("PRIMERL_TEST_RSS"):
-        print(f"\n[rss] {before:,.0f} -> {_rss_mib():,.0f} MiB after the module")
+        print(f"\n[rss] {before:,.0f} -> {_rss_mib():,.0f} MiB after the {what}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_memory() -> Iterator[None]:
+    """After each module, collect its garbage and hand the freed heap pages back to the OS. Modules that run
+    models in this process (trainers, embedded engines) free gigabytes that glibc's arenas otherwise keep: the
+    pytest process held 11-13 GB by the RL tests and, beside the vLLM servers and training children, was
+    OOM-killed on a 24 GB machine. (A module whose every test builds a trainer releases after each test too:
+    ``release_after_each_test``.)"""
+    yield
+    release_memory("module")
+
+
+@pytest.fixture
+def release_after_each_test() -> Iterator[None]:
+    """For ``pytest.mark.usefixtures`` in modules whose tests each build a model in this process."""
+    yield
+    release_memory("test")
 
 
 @pytest.fixture
