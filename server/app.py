@@ -81,6 +81,10 @@ class BridgeServer:
             port = self.metrics_endpoint.start()
             log.info("Prometheus metrics on %s:%d/metrics", self.metrics_endpoint.host, port)
         await self.bridge.start()
+        # Until the first health check has answered (a remote engine can take seconds): NOT_SERVING. Otherwise
+        # the server ("") would be SERVING (grpc's default) and primerl.v1.PrimeRL NOT_FOUND meanwhile.
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.http is not None:
             await self.http.start()

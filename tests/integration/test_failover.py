@@ -6,6 +6,7 @@ Two SGLang stand-in servers (real HTTP, the documented wire format) backed by tw
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +18,10 @@ from engines.config import SglangConfig, ToyConfig
 from engines.sglang import SglangEngine
 from engines.toy import ToyEngine
 from engines.types import ModelFacts
+from rl_client import AsyncBridgeClient
 from rl_client.errors import UnavailableError
+from server.app import create_server
+from server.config import load_settings
 from tests.integration.engine_script import bridge_over
 from tests.standins._common import StandinServer
 from tests.standins.sglang import SglangStandin
@@ -43,9 +47,9 @@ async def replicas() -> AsyncIterator[list[tuple[SglangStandin, StandinServer, T
         await server.stop()
 
 
-async def _status(port: int) -> Any:
+async def _status(port: int, service: str = "") -> Any:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())).status
+        return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))).status
 
 
 async def test_replica_dying_mid_turn_moves_the_episode_with_its_exact_history(replicas: Any) -> None:
@@ -93,6 +97,36 @@ async def test_health_checks_rotate_replicas_and_drive_grpc_health(replicas: Any
         assert await _status(bridge_server.port) == health_pb2.HealthCheckResponse.SERVING
         ep = (await client.start_episode(PROMPT)).episode_id
         assert bridge_server.bridge.store.get(ep, "").replica == 0
+
+
+async def test_a_client_waits_for_serving_through_the_first_health_check(replicas: Any) -> None:
+    """From the moment the port serves until the first health check has answered, gRPC health says NOT_SERVING,
+    for the server ("": the health service's default was SERVING, so a probe sent traffic to engines nobody had
+    checked) and for primerl.v1.PrimeRL (was NOT_FOUND, so ``wait_until_ready`` failed at once)."""
+    for sg, _, _ in replicas:
+        sg.faults.health_delay_s = 0.6  # the engines are still loading (the adapters give /health 1 s)
+    engines = [_adapter(server.url, toy, f"r{i}") for i, (_, server, toy) in enumerate(replicas)]
+    settings = load_settings(server={"port": 0, "grace_period_s": 0.5}, metrics={"port": 0})
+    bridge_server = await create_server(settings, engines=engines)
+    starting = asyncio.create_task(bridge_server.start())
+    client = AsyncBridgeClient(f"127.0.0.1:{bridge_server.port}")
+    try:
+        status = None
+        while status is None:  # the first answer, as soon as the port serves
+            try:
+                status = await _status(bridge_server.port)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE:  # NOT_FOUND: the service is not known yet
+                    raise
+                await asyncio.sleep(0.01)
+        named = await _status(bridge_server.port, "primerl.v1.PrimeRL")
+        assert status == named == health_pb2.HealthCheckResponse.NOT_SERVING and not starting.done()
+        await client.wait_until_ready(30)
+        assert starting.done() and await _status(bridge_server.port) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await starting
+        await client.close()
+        await bridge_server.stop(0.5)
 
 
 async def test_an_engine_failure_reaches_an_http_client_as_a_503_with_openai_error_json(replicas: Any) -> None:

@@ -31,6 +31,8 @@ class Faults:
     """Wait this long before answering a generation request (a slow engine)."""
     unhealthy: bool = False
     """/health answers 503."""
+    health_delay_s: float = 0.0
+    """/health answers only after this long (an engine still loading)."""
     keepalive_stall_s: float = 0.0
     """After the response headers, send only SSE keep-alive comments (every 50 ms) for this long."""
 

@@ -396,6 +396,7 @@ class SglangStandin:
     # -- ops ------------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        await asyncio.sleep(self.faults.health_delay_s)
         if self.faults.unhealthy:
             return Response(status_code=503)
         return Response(status_code=200)
