@@ -162,14 +162,18 @@ class BridgeServer:
 
 
 async def _drop_leases(journal: EpisodeJournal, worker: WorkerSlot) -> None:
-    """A worker replacing a crashed one: drop the Step leases the dead process held (its episodes' next Steps
+    """A worker replacing crashed ones: drop the Step leases the dead processes held (their episodes' next Steps
     would otherwise be refused as busy until the leases expire)."""
     try:
-        dropped = await journal.break_leases_of(worker.predecessor)
+        dropped = await journal.break_leases_of(worker.predecessors)
     except PrimeRLError as exc:
-        log.warning("could not drop the Step leases of the crashed worker: %s (they expire on their own)", exc.message)
+        log.warning(
+            "could not drop the Step leases of crashed worker %d: %s (they expire on their own)",
+            worker.index,
+            exc.message,
+        )
         return
-    log.info("dropped %d Step lease(s) the crashed worker %d held", dropped, worker.index)
+    log.info("dropped %d Step lease(s) that crashed worker %d held", dropped, worker.index)
 
 
 async def create_server(
@@ -192,7 +196,7 @@ async def create_server(
             raise InvalidArgument("persistence.enabled needs redis.url (the Redis that keeps the episodes)")
         journal = EpisodeJournal(settings.redis.url, settings.persistence, worker.lease_owner if worker else "")
         log.info("episode persistence on: %s (prefix %r)", settings.redis.url, settings.persistence.key_prefix)
-        if worker is not None and worker.predecessor:
+        if worker is not None and worker.predecessors:
             await _drop_leases(journal, worker)
     engines = list(engines) if engines is not None else await make_engines(settings.engine)
     metrics = BridgeMetrics()

@@ -9,7 +9,7 @@ Invariants
   holds an older revision, so turns sent alternately through two bridges see one history.
 * A Step holds a lease on its episode (``SET NX PX``, owner token) across bridges; a second Step anywhere gets
   FAILED_PRECONDITION. A lease expires on its own if its bridge dies (``lease_ms``); a crashed bridge worker's
-  leases are dropped at once by the worker that replaces it (``break_leases_of``).
+  leases are dropped by the worker that replaces it, as it starts (``break_leases_of``).
 * Token arrays are stored as raw little-endian bytes (int32 ids, float64 logprobs, int8 origins, int64
   versions): a round trip is bit-exact, NaNs included.
 * Every Redis call has a timeout; errors surface as :class:`PersistenceUnavailable` and the bridge decides
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -147,10 +149,21 @@ def decode(data: bytes) -> tuple[Episode, int]:
     return episode, int(r["rev"])
 
 
-# Delete KEYS[1] only while it holds ARGV[1] (a lease's owner token), in one step.
-_COMPARE_AND_DELETE = (
-    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
-)
+# Delete the lease KEYS[1] only while one of ARGV (owner tokens) holds it, in one step (pcall: a key of another
+# type under the lease prefix reads as not held, instead of failing the call).
+_DELETE_IF_HELD_BY = """
+local holder = redis.pcall('get', KEYS[1])
+for _, token in ipairs(ARGV) do
+  if holder == token then return redis.call('del', KEYS[1]) end
+end
+return 0
+"""
+SCAN_COUNT = 10_000  # keys SCAN walks per call: a million-key Redis (the prefix index shares it) is ~100 calls
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally in a SCAN MATCH pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 class EpisodeJournal:
@@ -208,7 +221,7 @@ class EpisodeJournal:
     async def open_ids(self) -> list[str]:
         keys: list[str] = []
         cursor = 0
-        pattern = self._key("ep", "*")
+        pattern = _glob_escape(self._key("ep", "")) + "*"
         while True:
             cursor, batch = await self._call("list episodes", self._redis.scan(cursor, match=pattern, count=500))
             keys += [k.decode() if isinstance(k, bytes) else k for k in batch]
@@ -224,27 +237,32 @@ class EpisodeJournal:
     async def release(self, episode_id: str) -> None:
         """Drop our lease (only ours: a compare-and-delete in one script)."""
         key = self._key("lease", episode_id)
-        await self._call("release the lease", self._redis.eval(_COMPARE_AND_DELETE, 1, key, self.owner))
+        await self._call("release the lease", self._redis.eval(_DELETE_IF_HELD_BY, 1, key, self.owner))
 
     async def break_lease(self, episode_id: str, holder: str) -> bool:
         """Drop the lease ``holder`` (another bridge's ``owner``) holds, when that bridge is known dead (the fleet
         router found it unreachable); compare-and-delete, so a lease a live bridge took since is kept."""
         key = self._key("lease", episode_id)
         return bool(
-            await self._call("break a dead bridge's lease", self._redis.eval(_COMPARE_AND_DELETE, 1, key, holder))
+            await self._call("break a dead bridge's lease", self._redis.eval(_DELETE_IF_HELD_BY, 1, key, holder))
         )
 
-    async def break_leases_of(self, holder: str) -> int:
-        """Drop every lease ``holder`` holds (a bridge process known dead: a crashed worker, for the worker
-        that replaces it); how many were dropped. Leases are few (one per Step in flight), so one SCAN of
-        the lease keys; each is compare-and-deleted, so a lease a live process took since is kept."""
+    async def break_leases_of(self, holders: Sequence[str]) -> int:
+        """Drop every lease one of ``holders`` holds (bridge processes known dead: the crashed predecessors of a
+        bridge worker, for the worker that replaces them); how many were dropped. Called once, when that worker
+        starts: one SCAN pass over the keyspace (SCAN walks every key and filters after, so a Redis shared with a
+        large prefix index costs ~100 calls per million keys), each lease compare-and-deleted, so a lease a live
+        process took since is kept."""
+        if not holders:
+            return 0
         dropped, cursor = 0, 0
-        pattern = self._key("lease", "*")
+        pattern = _glob_escape(self._key("lease", "")) + "*"
         while True:
-            cursor, keys = await self._call("list leases", self._redis.scan(cursor, match=pattern, count=500))
+            scan = self._redis.scan(cursor, match=pattern, count=SCAN_COUNT)
+            cursor, keys = await self._call("list leases", scan)
             for key in keys:
-                eval_ = self._redis.eval(_COMPARE_AND_DELETE, 1, key, holder)
-                dropped += int(await self._call("break a dead bridge's lease", eval_))
+                drop = self._redis.eval(_DELETE_IF_HELD_BY, 1, key, *holders)
+                dropped += int(await self._call("break a dead bridge's lease", drop))
             if cursor == 0:
                 return dropped
 

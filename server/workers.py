@@ -17,8 +17,10 @@ Layout
   record from Redis, as a second bridge would); with it off the episode is lost with the worker and the
   call fails UNAVAILABLE saying so. The parent logs which case applies when it restarts a worker. A worker
   killed mid-Step leaves that episode's Step lease behind: each worker process leases with a token its
-  parent gave it, and the worker that replaces a crashed one drops every lease its predecessor held before
-  it serves, so the episode's next Step need not wait for the lease to expire (``persistence.lease_ms``).
+  parent gave it, and the worker that replaces a crashed one drops, before it serves, every lease the
+  slot's earlier processes held (the newest 8 tokens: also those of a replacement that died first), so the
+  episode's next Step does not wait for the lease to expire (``persistence.lease_ms``). Between the crash
+  and the replacement's start (or when Redis does not answer then) its Steps are still refused as busy.
 * UpdateWeights runs on the worker that got it, then on every other worker at the version it chose (each
   worker has its own engines); a worker it fails on is named in the error. With ``fleet.enabled`` the
   fleet's control plane keeps the versions instead (each worker is a fleet member). A worker restarted after
@@ -61,6 +63,7 @@ WORKER_TRAILER = "primerl-worker"
 FORWARDED_BY = "primerl-forwarded-by"
 UPDATE_WEIGHTS = "/primerl.v1.PrimeRL/UpdateWeights"
 _ID_PREFIX = "ep-w"
+PREDECESSORS_KEPT = 8  # lease tokens of a slot's earlier processes handed to its next one
 FAST_FAILURE_S = 10.0  # a worker that dies sooner than this after starting counts as failing to start
 MAX_FAST_FAILURES = 5  # in a row, for one worker: give up (a config error, a port in use) instead of spinning
 _PR_SET_PDEATHSIG = 1
@@ -74,7 +77,7 @@ class WorkerSlot:
     addresses: tuple[str, ...]
     broadcast_weights: bool = True  # UpdateWeights reaches every worker (off when the fleet's control plane does it)
     lease_owner: str = ""  # this worker process's token in the Step leases it takes (persistence on)
-    predecessor: str = ""  # the lease token of the crashed worker this one replaces: its leases are dropped
+    predecessors: tuple[str, ...] = ()  # lease tokens of the earlier processes of this slot: their leases are dropped
 
     @property
     def count(self) -> int:
@@ -245,13 +248,22 @@ class Supervisor:
         self.procs: list[BaseProcess] = []
         self._started: list[float] = [0.0] * count
         self._fast_failures = [0] * count
-        self._tokens = [""] * count  # each worker process's lease token
+        self._tokens: list[list[str]] = [[] for _ in range(count)]  # each slot's lease tokens, oldest first
         self._signals = 0
 
-    def _start(self, index: int, predecessor: str = "") -> BaseProcess:
-        """Start worker ``index`` (``predecessor``: the lease token of the crashed worker it replaces)."""
-        self._tokens[index] = f"w{index}-{secrets.token_hex(8)}"
-        slot = WorkerSlot(index, self.addresses, not self.settings.fleet.enabled, self._tokens[index], predecessor)
+    def _start(self, index: int) -> BaseProcess:
+        """Start worker ``index`` with a fresh lease token; it drops the leases of the slot's earlier processes (the
+        newest few: a replacement that itself died before it could drop them passes them on)."""
+        earlier = tuple(self._tokens[index][-PREDECESSORS_KEPT:])
+        token = f"w{index}-{secrets.token_hex(8)}"
+        self._tokens[index].append(token)
+        slot = WorkerSlot(
+            index,
+            self.addresses,
+            broadcast_weights=not self.settings.fleet.enabled,
+            lease_owner=token,
+            predecessors=earlier,
+        )
         proc = self._ctx.Process(
             target=_worker_main, args=(self.settings, slot, self.log_level), name=f"primerl-worker-{index}"
         )
@@ -292,7 +304,7 @@ class Supervisor:
             lost,
         )
         time.sleep(min(0.2 * 2 ** self._fast_failures[index], 5.0))  # back off a worker that keeps failing
-        self.procs[index] = self._start(index, predecessor=self._tokens[index])
+        self.procs[index] = self._start(index)
         return True
 
     def run(self) -> int:

@@ -73,21 +73,29 @@ async def test_journal_saves_loads_leases_and_lists(redis_server: PrivateRedis) 
 
 
 async def test_a_dead_processs_leases_are_dropped_and_no_others(redis_server: PrivateRedis) -> None:
-    """``break_leases_of``: every lease the dead token holds goes, a live process's leases stay."""
-    config = PersistenceConfig(enabled=True, key_prefix="t3")
-    dead, live, heir = (EpisodeJournal(redis_server.url, config, owner) for owner in ("w1-dead", "w0-live", "w1-new"))
+    """``break_leases_of``: every lease the dead tokens hold goes, a live process's stay; the key prefix is
+    matched literally (glob characters in it), and a key of another type under the lease prefix is skipped."""
+    import redis.asyncio as aioredis
+
+    config = PersistenceConfig(enabled=True, key_prefix="t[3]")
+    owners = ("w1-dead", "w1-dead-too", "w0-live", "w1-new")
+    dead, dead_too, live, heir = (EpisodeJournal(redis_server.url, config, owner) for owner in owners)
+    raw = aioredis.from_url(redis_server.url)
     try:
-        for ep in ("ep-a", "ep-b", "ep-c"):
-            assert await dead.acquire(ep)
+        assert await dead.acquire("ep-a") and await dead.acquire("ep-b") and await dead_too.acquire("ep-c")
         assert await live.acquire("ep-d")
-        assert await heir.break_leases_of("w1-dead") == 3
-        assert await heir.break_leases_of("w1-dead") == 0
+        await raw.hset("t[3]:lease:not-a-lease", "x", 1)
+        await raw.set("t3:lease:ep-e", "w1-dead")  # another prefix (what an unescaped "t[3]" would match)
+        assert await heir.break_leases_of(["w1-dead-too", "w1-dead"]) == 3
+        assert await heir.break_leases_of(["w1-dead"]) == 0
         assert all([await heir.acquire(ep) for ep in ("ep-a", "ep-b", "ep-c")])
         assert not await heir.acquire("ep-d")  # still the live process's
-        assert await heir.break_leases_of("w0-live-other") == 0 and not await dead.acquire("ep-d")
+        assert await heir.break_leases_of(["w0-live-other"]) == 0 and not await dead.acquire("ep-d")
+        assert await raw.get("t3:lease:ep-e") == b"w1-dead"
     finally:
-        for journal in (dead, live, heir):
+        for journal in (dead, dead_too, live, heir):
             await journal.close()
+        await raw.aclose()
 
 
 async def test_redis_down_is_a_clear_persistence_error(redis_server: PrivateRedis) -> None:

@@ -315,9 +315,9 @@ async def test_a_killed_worker_is_restarted_and_its_episode_goes_on(workers: Wor
 
 
 async def test_a_worker_killed_mid_step_leaves_no_lease_behind(tmp_path: Path) -> None:
-    """A worker killed while a Step holds its episode's lease: its replacement drops that lease, so the next
-    Step is served at once (not refused as busy until ``persistence.lease_ms``, 15 minutes, has passed), from
-    the record as it was before the killed Step (whose tokens were never persisted)."""
+    """A worker killed while a Step holds its episode's lease: its replacement drops that lease as it starts, so
+    once it is up the next Step is served (not refused as busy until ``persistence.lease_ms``, 15 minutes, has
+    passed), from the record as it was before the killed Step (whose tokens were never persisted)."""
     redis = PrivateRedis()
     redis.start()
     # 20 ms a token: a 200-token Step is still running when its worker is killed.
@@ -345,7 +345,7 @@ async def test_a_worker_killed_mid_step_leaves_no_lease_behind(tmp_path: Path) -
             tokens = [t async for c in stubs[0].Step(step, timeout=60) for t in c.token_ids]
             end = await stubs[0].EndEpisode(pb.EndEpisodeRequest(episode_id=ep, rewards=[1.0]), timeout=60)
             assert len(tokens) == 4 and list(end.trajectory.token_ids) == [*PROMPT, 9, 8, *tokens]
-            assert "dropped 1 Step lease(s) the crashed worker 1 held" in proc.log()
+            assert "dropped 1 Step lease(s) that crashed worker 1 held" in proc.log()
         assert proc.close() == 0, proc.log()
     finally:
         if proc.proc.poll() is None:
@@ -469,7 +469,8 @@ async def test_the_owner_gets_the_callers_deadline_and_metadata() -> None:
             stub: pb_grpc.PrimeRLAsyncStub = pb_grpc.PrimeRLStub(channel)
             info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=20, metadata=(("x-request-id", "r-1"),))
         remaining, request_id, hop = info.server_version.split("|")
-        assert 10 < float(remaining) <= 20 and request_id == "r-1" and hop == "1"
+        # <= 20.2: gRPC encodes each hop's timeout rounded up (to 100 ms at this size); seen 20.099 once.
+        assert 10 < float(remaining) <= 20.2 and request_id == "r-1" and hop == "1"
     finally:
         await front.stop(0)
         await owner.stop(0)
