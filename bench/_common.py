@@ -44,15 +44,15 @@ def free_port() -> int:
 
 
 def start_bridge(
-    *args: str, env: dict[str, str] | None = None, tree: Path | None = None
+    *args: str, env: dict[str, str] | None = None, tree: Path | None = None, main: tuple[str, ...] = ("-m", "server")
 ) -> tuple[subprocess.Popen[bytes], int]:
     """A bridge process on a free port (``env``: extra PRIMERL_* settings; ``tree``: run the code of another
-    checkout, e.g. an earlier revision, with this venv); returns it and the port."""
+    checkout, e.g. an earlier revision, with this venv; ``main``: what runs ``primerl``'s command line, e.g. a
+    benchmark that patches the bridge first); returns it and the port."""
     port = free_port()
     cmd = [
         sys.executable,
-        "-m",
-        "server",
+        *main,
         "serve",
         "--port",
         str(port),

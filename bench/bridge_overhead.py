@@ -168,7 +168,7 @@ async def client_of(
     proc: subprocess.Popen[bytes], port: int, floor: bool
 ) -> AsyncIterator[tuple[AsyncBridgeClient, int]]:
     """A warmed-up client of the server process ``proc`` on ``port`` and its pid; the process is stopped after.
-    ``floor``: it serves Step only (the floor's handler: no health service, no episodes)."""
+    ``floor``: it serves the floor's Step handler (no episodes; waited for with Steps, not the health service)."""
     try:
         async with AsyncBridgeClient(f"127.0.0.1:{port}") as client:
             if floor:

@@ -1,17 +1,16 @@
 """Where a Step's server CPU goes: the bridge built up from the bare gRPC floor, one layer at a time.
 
 ``bench/bridge_overhead.py`` compares the whole bridge with the floor (bench/grpc_floor.py). This benchmark
-splits the difference. Five servers, each in its own process, measured alternately in one run (64 unary
-16-token Steps in flight, as bridge_overhead's throughput load), each step adding one layer:
+splits the difference. Four servers, each in its own process, measured alternately in one run (64 unary
+16-token Steps in flight, as bridge_overhead's throughput load), each adding one layer:
 
 1. ``floor``: the bare ``grpc.aio`` server answering the same Step at once;
 2. ``server``: a real bridge process (its interceptors, health, reflection, metrics, background tasks) whose
    Step handler is the floor's: what the bridge's server costs around a Step;
 3. ``step path``: the bridge's own Step (validate, admit, route, open, stream, close, build the chunk) on a
-   toy engine whose sampling is replaced by constant tokens, on episodes that never end;
-4. ``episodes``: the same, with each episode ended after 32 turns and a fresh one started (StartEpisode and
-   EndEpisode CPU counted per Step, as in bridge_overhead);
-5. ``toy engine``: the real toy engine's sampling: the bridge exactly as bridge_overhead measures it.
+   toy engine whose sampling is replaced by constant tokens, with bridge_overhead's episodes (32 turns, then
+   EndEpisode and a fresh StartEpisode, whose CPU counts per Step; histories stay under 600 tokens);
+4. ``toy engine``: the real toy engine's sampling: the bridge exactly as bridge_overhead measures it.
 
 The layers are switched off by patching the bridge process at start-up (``--as-bridge``), never in the
 library. Each layer's cost is the difference of the medians of two neighbouring rows.
@@ -23,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,19 +30,23 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
 
-from bench._common import free_port, pct, record
+from bench._common import pct, record, start_bridge
 from bench.bridge_overhead import TURNS_PER_EPISODE, client_of, load, start_floor
 from rl_client import AsyncBridgeClient
 
-ROOT = Path(__file__).resolve().parents[1]
-ENDLESS = 10**9  # turns per episode: the episode is never ended during the measurement
-# (name, what the row adds, server patches, turns per episode; None: the floor process)
-LAYERS: tuple[tuple[str, str, str, int | None], ...] = (
-    ("floor", "bare grpc.aio server (bench/grpc_floor.py)", "", None),
-    ("server", "the bridge's server around the floor's Step handler", "floor-step", ENDLESS),
-    ("step path", "the bridge's Step, toy sampling replaced by constant tokens", "constant-tokens", ENDLESS),
-    ("episodes", f"StartEpisode + EndEpisode every {TURNS_PER_EPISODE} turns", "constant-tokens", TURNS_PER_EPISODE),
-    ("toy engine", "the toy engine's real sampling (the bridge as bridge_overhead runs it)", "", TURNS_PER_EPISODE),
+# (name, what the row adds, the bridge's patches, whether the server is the floor's process (else a bridge),
+# whether the load runs episodes (else bare Steps, as against the floor))
+LAYERS: tuple[tuple[str, str, str, bool, bool], ...] = (
+    ("floor", "bare grpc.aio server (bench/grpc_floor.py)", "", True, False),
+    ("server", "the bridge's server around the floor's Step handler", "floor-step", False, False),
+    (
+        "step path",
+        f"the bridge's Step and episodes ({TURNS_PER_EPISODE} turns each), toy sampling replaced by constant tokens",
+        "constant-tokens",
+        False,
+        True,
+    ),
+    ("toy engine", "the toy engine's real sampling (the bridge as bridge_overhead runs it)", "", False, True),
 )
 
 
@@ -70,19 +71,12 @@ def patch(switches: str) -> None:
         PrimeRLService.Step = step  # type: ignore[method-assign]
 
 
-def start_patched(switches: str) -> tuple[subprocess.Popen[bytes], int]:
-    """A toy bridge process with the layers ``switches`` names switched off (``patch``), on a free port."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "bench.step_cost", "--as-bridge", switches, "serve", "--engine", "toy"]
-    cmd += ["--port", str(port), "--metrics-port", "0", "--log-level", "WARNING"]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PRIMERL_HTTP__PORT": "0"}), port
-
-
 @asynccontextmanager
-async def serving(switches: str, floor: bool) -> AsyncIterator[tuple[AsyncBridgeClient, int]]:
+async def serving(switches: str, floor: bool, episodes: bool) -> AsyncIterator[tuple[AsyncBridgeClient, int]]:
     """A client of a fresh server process (the floor, or a toy bridge patched by ``switches``), warmed up."""
-    proc, port = start_floor() if floor else start_patched(switches)
-    async with client_of(proc, port, floor or "floor-step" in switches) as served:
+    main = ("-m", "bench.step_cost", "--as-bridge", switches)
+    proc, port = start_floor() if floor else start_bridge("--engine", "toy", main=main)
+    async with client_of(proc, port, not episodes) as served:
         yield served
 
 
@@ -90,10 +84,9 @@ async def measure(seconds: float, rounds: int) -> dict[str, list[float]]:
     """Server CPU-seconds per Step of each layer, ``rounds`` times, in alternating order."""
     out: dict[str, list[float]] = {name: [] for name, *_ in LAYERS}
     for r in range(rounds):
-        for name, _, switches, turns in LAYERS if r % 2 == 0 else reversed(LAYERS):
-            bare = turns is None or "floor-step" in switches
-            async with serving(switches, floor=turns is None) as (client, pid):
-                _, per_cpu_s, _ = await load(client, pid, seconds, floor=bare, turns=turns or 1)
+        for name, _, switches, floor, episodes in LAYERS if r % 2 == 0 else reversed(LAYERS):
+            async with serving(switches, floor, episodes) as (client, pid):
+                _, per_cpu_s, _ = await load(client, pid, seconds, floor=not episodes)
             out[name].append(1 / per_cpu_s)
             print(f"round {r + 1}/{rounds}: {name}: {1e6 / per_cpu_s:,.0f} us per Step", flush=True)
     return out
@@ -105,7 +98,7 @@ async def main(seconds: float, rounds: int) -> None:
     floor = med["floor"]
     rows = []
     previous = 0.0
-    for name, what, _, _ in LAYERS:
+    for name, what, *_ in LAYERS:
         added = med[name] - previous
         rows.append(
             (
@@ -116,15 +109,16 @@ async def main(seconds: float, rounds: int) -> None:
             )
         )
         previous = med[name]
-    total = med["toy engine"]
     rows.append(
         (
             "bridge without the toy engine's sampling / floor (what the bridge itself adds)",
-            f"{med['episodes'] / floor:.2f}x",
+            f"{med['step path'] / floor:.2f}x",
             "",
         )
     )
     figures = {f"{name.replace(' ', '_')}_cpu_us_per_step": med[name] * 1e6 for name, *_ in LAYERS}
+    figures["bridge_over_floor"] = med["toy engine"] / floor
+    figures["bridge_without_toy_sampling_over_floor"] = med["step path"] / floor
     record(
         "step_cost",
         "Step cost by layer (toy engine, 64 unary 16-token Steps in flight)",
@@ -133,7 +127,6 @@ async def main(seconds: float, rounds: int) -> None:
         notes=f"Each server in its own process, the client in this one; {rounds} alternating rounds of {seconds:g} s "
         "per layer; medians. A layer's cost is its row minus the row above (the medians are of different runs, so "
         "a small layer can come out within the noise, even negative).",
-        ratios={"bridge_over_floor": total / floor, "bridge_without_engine_over_floor": med["episodes"] / floor},
     )
 
 

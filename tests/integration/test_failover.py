@@ -112,11 +112,12 @@ async def test_a_client_waits_for_serving_through_the_first_health_check(replica
     client = AsyncBridgeClient(f"127.0.0.1:{bridge_server.port}")
     try:
         status = None
-        while status is None:  # the first answer, as soon as the port serves
+        for _ in range(1000):  # the first answer, as soon as the port serves (UNAVAILABLE until then)
             try:
                 status = await _status(bridge_server.port)
+                break
             except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE:  # NOT_FOUND: the service is not known yet
+                if err.code() != grpc.StatusCode.UNAVAILABLE or starting.done():
                     raise
                 await asyncio.sleep(0.01)
         named = await _status(bridge_server.port, "primerl.v1.PrimeRL")
