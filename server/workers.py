@@ -248,7 +248,8 @@ class Supervisor:
         self.procs: list[BaseProcess] = []
         self._started: list[float] = [0.0] * count
         self._fast_failures = [0] * count
-        self._tokens: list[list[str]] = [[] for _ in range(count)]  # each slot's lease tokens, oldest first
+        # Each slot's newest lease tokens, oldest first: its current process's, after up to PREDECESSORS_KEPT earlier.
+        self._tokens: list[list[str]] = [[] for _ in range(count)]
         self._signals = 0
 
     def _start(self, index: int) -> BaseProcess:
@@ -256,7 +257,7 @@ class Supervisor:
         newest few: a replacement that itself died before it could drop them passes them on)."""
         earlier = tuple(self._tokens[index][-PREDECESSORS_KEPT:])
         token = f"w{index}-{secrets.token_hex(8)}"
-        self._tokens[index].append(token)
+        self._tokens[index] = [*earlier, token]
         slot = WorkerSlot(
             index,
             self.addresses,
