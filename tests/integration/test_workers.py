@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -216,11 +216,13 @@ class Workers:
             raise
 
 
-@pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+@contextmanager
+def running_workers(log_path: Path, **extra: str) -> Iterator[Workers]:
+    """``Workers`` on a private Redis (``extra``: more PRIMERL_* settings), both serving; on exit they must stop
+    cleanly on SIGTERM (exit 0, both stopped), and are killed if they did not."""
     redis = PrivateRedis()
     redis.start()
-    proc = Workers(tmp_path_factory.mktemp("workers") / "serve.log", redis.url)
+    proc = Workers(log_path, redis.url, **extra)
     try:
         proc.wait_for(r"worker \d primerl\.server \[-\]: PrimeRL bridge serving", count=2)
         yield proc
@@ -229,7 +231,14 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
     finally:
         if proc.proc.poll() is None:
             proc.proc.kill()
+            proc.proc.wait(10)
         redis.close()
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    with running_workers(tmp_path_factory.mktemp("workers") / "serve.log") as proc:
+        yield proc
 
 
 async def _by_worker(port: int, stack: AsyncExitStack, want: int = 2) -> dict[int, pb_grpc.PrimeRLAsyncStub]:
@@ -318,12 +327,8 @@ async def test_a_worker_killed_mid_step_leaves_no_lease_behind(tmp_path: Path) -
     """A worker killed while a Step holds its episode's lease: its replacement drops that lease as it starts, so
     once it is up the next Step is served (not refused as busy until ``persistence.lease_ms``, 15 minutes, has
     passed), from the record as it was before the killed Step (whose tokens were never persisted)."""
-    redis = PrivateRedis()
-    redis.start()
     # 20 ms a token: a 200-token Step is still running when its worker is killed.
-    proc = Workers(tmp_path / "serve.log", redis.url, PRIMERL_ENGINE__TOY__TOKEN_DELAY_S="0.02")
-    try:
-        proc.wait_for(r"worker \d primerl\.server \[-\]: PrimeRL bridge serving", count=2)
+    with running_workers(tmp_path / "serve.log", PRIMERL_ENGINE__TOY__TOKEN_DELAY_S="0.02") as proc:
         async with AsyncExitStack() as stack:
             stubs = await _by_worker(proc.port, stack)
             start = pb.StartEpisodeRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT))
@@ -346,12 +351,6 @@ async def test_a_worker_killed_mid_step_leaves_no_lease_behind(tmp_path: Path) -
             end = await stubs[0].EndEpisode(pb.EndEpisodeRequest(episode_id=ep, rewards=[1.0]), timeout=60)
             assert len(tokens) == 4 and list(end.trajectory.token_ids) == [*PROMPT, 9, 8, *tokens]
             assert "dropped 1 Step lease(s) that crashed worker 1 held" in proc.log()
-        assert proc.close() == 0, proc.log()
-    finally:
-        if proc.proc.poll() is None:
-            proc.proc.kill()
-            proc.proc.wait(10)
-        redis.close()
 
 
 async def test_update_weights_reaches_every_worker(workers: Workers) -> None:
