@@ -294,7 +294,9 @@ async def test_concurrent_episodes_decode_in_batches_with_solo_results(embedded:
 async def test_cancelled_step_stops_at_the_next_token(embedded: Bridge) -> None:
     server, client = embedded
     engine = _engine(server)
-    ep = (await client.start_episode(_chat(server, "Count to one hundred."), sampling={"max_tokens": 400})).episode_id
+    # ignore_eos: sampled at temperature 1 without a seed, the model could end its turn (STOP) before the cancel.
+    sampling = {"max_tokens": 400, "ignore_eos": True}
+    ep = (await client.start_episode(_chat(server, "Count to one hundred."), sampling=sampling)).episode_id
     got = 0
     async for chunk in client.stream_step(ep):
         got += len(chunk.token_ids)
