@@ -316,13 +316,21 @@ class FleetStore:
     # -- replicas ---------------------------------------------------------------------------
 
     async def put_replica(self, model: str, replica: ReplicaRecord) -> None:
-        if not replica.url.startswith(("http://", "https://")):
-            raise InvalidArgument(f"replica URL {replica.url!r} must start with http:// or https://")
+        await self.put_replicas(model, [replica])
+
+    async def put_replicas(self, model: str, replicas: list[ReplicaRecord]) -> None:
+        """Write replicas in one transaction: a reader sees all of them or none (a bridge registering its list
+        must never be seen half-registered, or another reader withdraws the replicas not yet written)."""
+        for replica in replicas:
+            if not replica.url.startswith(("http://", "https://")):
+                raise InvalidArgument(f"replica URL {replica.url!r} must start with http:// or https://")
 
         async def put() -> None:
-            await self.redis.hset(self._k("model", model, "replicas"), replica.url, json.dumps(asdict(replica)))
-            await self.redis.incr(self._k("model", model, "stamp"))
-            await self.redis.sadd(self._k("models"), model)
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(self._k("model", model, "replicas"), mapping={r.url: json.dumps(asdict(r)) for r in replicas})
+            pipe.incr(self._k("model", model, "stamp"))
+            pipe.sadd(self._k("models"), model)
+            await pipe.execute()
 
         await self._call("write replica", put)
 

@@ -130,6 +130,8 @@ class FleetMember:
             if self._paused_for is not None and time.monotonic() - self._paused_at > self.config.update_timeout_s:
                 self._resume("its update could not be seen ending within fleet.update_timeout_s")
             return self.record
+        if not record.replicas and record.stamp < self.record.stamp:
+            self._registered = False  # the registry lost its data (a Redis restart): list our replicas again
         self.record = record
         try:
             await self._act(record)
@@ -194,15 +196,16 @@ class FleetMember:
     # -- replicas added, drained and removed at run time ------------------------------------------
 
     async def converge(self, record: ModelRecord) -> None:
-        """Make this bridge's replicas what the registry lists (an empty list: register ours)."""
+        """Make this bridge's replicas what the registry lists (an empty list: register ours, once, and again
+        after the registry lost its data; see ``refresh``)."""
         bridge = self.bridge
         if bridge is None:
             return
         urls = [str(getattr(e, "url", "")) for e in bridge.engines]
         if not record.replicas:
             if all(urls) and not self._registered:  # shared (HTTP) replicas: the fleet's list starts with ours
-                for url, engine in zip(urls, bridge.engines, strict=True):
-                    await self.store.put_replica(self.model, ReplicaRecord(url, engine.info.engine))
+                ours = [ReplicaRecord(url, e.info.engine) for url, e in zip(urls, bridge.engines, strict=True)]
+                await self.store.put_replicas(self.model, ours)  # one transaction: never seen half-listed
                 self._registered = True
             return
         listed = {r.url: r for r in record.replicas}

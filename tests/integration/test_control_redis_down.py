@@ -3,12 +3,13 @@
 Two fleet bridge processes over two stand-in engine processes on one private Redis, which is then killed:
 both bridges keep serving (new episodes, Steps) with the last-known registry, and count it in
 ``primerl_fail_open_total{component="fleet_registry"}`` on /metrics; ``UpdateWeights`` is refused UNAVAILABLE and
-reaches no replica (each still serves its start-up weights). With Redis back, the same update goes through on
-the whole fleet.
+reaches no replica (each still serves its start-up weights). With Redis back (empty: it kept no data), the
+bridges list their replicas in the registry again, and the same update goes through on the whole fleet.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.errors import InvalidArgument
+from placement.registry import FleetConfig, FleetStore, ReplicaRecord
 from rl_client.errors import UnavailableError
 from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env, standins
 from tests.integration.redis_proc import PrivateRedis
@@ -53,6 +56,20 @@ async def _weight_versions(engines: list[StandinProcess]) -> list[str]:
         return [(await http.get(f"{e.url}/get_weight_version", timeout=5)).json()["weight_version"] for e in engines]
 
 
+async def _listed(redis_server: PrivateRedis) -> set[str]:
+    """The replica URLs the registry lists, once it lists any (within 10 s)."""
+    store = FleetStore.connect(redis_server.url, FleetConfig())
+    try:
+        for _ in range(200):
+            record = await store.model("toy")
+            if record.replicas:
+                break
+            await asyncio.sleep(0.05)
+        return {r.url for r in record.replicas}
+    finally:
+        await store.close()
+
+
 async def test_bridges_serve_on_without_redis_and_refuse_version_changes_until_it_is_back(
     fleet: tuple[FleetBridgeProcess, ...],
     engines: list[StandinProcess],
@@ -76,8 +93,29 @@ async def test_bridges_serve_on_without_redis_and_refuse_version_changes_until_i
         await a.client.update_weights(str(checkpoint))
     assert await _weight_versions(engines) == ["default", "default"]  # no replica was touched
 
+    for _ in range(2):  # twice: after the first loss every bridge has listed its replicas once already
+        redis_server.start()
+        # the registry lost its data: the bridges list their replicas again (the fleet's list starts with ours)
+        assert await _listed(redis_server) == {e.url for e in engines}
+        redis_server.kill()
     redis_server.start()
     assert await a.client.update_weights(str(checkpoint)) == 1
     assert await _weight_versions(engines) == ["1", "1"]
     ep = (await b.client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
     assert (await b.client.step(ep)).policy_version == 1
+
+
+async def test_a_bridges_replicas_are_listed_in_one_write(redis_server: PrivateRedis) -> None:
+    """Listed one at a time, a second bridge reading between the writes withdrew (and aborted) the replicas not
+    yet written; a registry lost just then kept them withdrawn for good (CI, stop 30)."""
+    store = FleetStore.connect(redis_server.url, FleetConfig())
+    try:
+        ours = [ReplicaRecord("http://127.0.0.1:1", "sglang"), ReplicaRecord("http://127.0.0.1:2", "sglang")]
+        await store.put_replicas("m", ours)
+        record = await store.model("m")
+        assert record.replicas == tuple(ours) and record.stamp == 1  # one write, one stamp: never seen half-listed
+        with pytest.raises(InvalidArgument, match="must start with http"):
+            await store.put_replicas("m", [*ours, ReplicaRecord("127.0.0.1:3", "sglang")])
+        assert (await store.model("m")).replicas == tuple(ours)  # a bad URL writes none of the list
+    finally:
+        await store.close()
