@@ -251,6 +251,7 @@ async def create_server(
             settings.auth.admin_tenants,
             session_ttl_s=settings.http.session_ttl_s,
             max_body_bytes=settings.http.max_body_bytes,
+            weights_changed=worker.weights_changed if worker is not None and worker.broadcasts else None,
         )
         http = HttpFrontDoor(app, settings.server.host, settings.http.port, settings.server.grace_period_s)
     metrics_endpoint = endpoint if settings.metrics.port else None

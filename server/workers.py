@@ -25,7 +25,7 @@ Layout
   worker has its own engines); a worker it fails on is named in the error. With ``fleet.enabled`` the
   fleet's control plane keeps the versions instead (each worker is a fleet member). A worker restarted after
   a crash starts from its configured weights: update the weights again (or run the fleet) after a restart.
-  The HTTP front door's weight routes (worker 0) update worker 0 only: use the gRPC call with workers.
+  The HTTP front door's weight routes (``/update_weights``, ``/reload_weights``, on worker 0) do the same.
 * Per worker: ``metrics.port + index`` serves its /metrics (scrape each: per-process series, no shared
   multiprocess directory, so gauges and callbacks stay exact); the HTTP front door runs on worker 0 only
   (its sessions live in one process); admission limits (``admission.*``) apply per worker.
@@ -52,6 +52,8 @@ from typing import Any
 
 import grpc
 
+from engines.errors import EngineUnavailable
+from proto.primerl.v1 import primerl_pb2 as pb
 from server.config import Settings
 from server.forward import default_forwarder, forwarded_metadata
 from server.ownership import Owner, OwnerInterceptorBase
@@ -130,6 +132,22 @@ class WorkerSlot:
     def interceptor(self, persistence: bool) -> OwnerInterceptor:
         return OwnerInterceptor(self, persistence)
 
+    @property
+    def broadcasts(self) -> bool:
+        """Whether a weight update made on one worker is made on the others too (see the module docstring)."""
+        return self.broadcast_weights and self.count > 1
+
+    async def weights_changed(self, checkpoint_path: str, version: int, keep_kv: bool, authorization: str) -> None:
+        """The HTTP front door's weight routes, after the update to ``version`` ran here: the same on every other
+        worker (``authorization``: the HTTP caller's header, for the peers' own auth check)."""
+        request = pb.UpdateWeightsRequest(checkpoint_path=checkpoint_path, policy_version=version, keep_kv=keep_kv)
+        metadata: tuple[tuple[str, str], ...] = ((FORWARDED_BY, str(self.index)),)
+        if authorization:
+            metadata += (("authorization", authorization),)
+        failed = await update_peers(self, request, metadata, None)
+        if failed is not None:
+            raise EngineUnavailable(failed[1])
+
 
 class OwnerInterceptor(OwnerInterceptorBase):
     """Runs a call for an episode on the worker that owns it (innermost: after auth, inside telemetry)."""
@@ -142,7 +160,7 @@ class OwnerInterceptor(OwnerInterceptorBase):
         self.slot = slot
         self.me = str(slot.index)
         self._hop = ((FORWARDED_BY, self.me),)
-        self._broadcasts = slot.broadcast_weights and slot.count > 1
+        self._broadcasts = slot.broadcasts
 
     def wraps(self, method: str) -> bool:
         return not method.startswith("/grpc.")
@@ -172,29 +190,39 @@ class OwnerInterceptor(OwnerInterceptorBase):
         peer = type(request)()
         peer.CopyFrom(request)
         peer.policy_version = response.policy_version
-        payload, metadata = peer.SerializeToString(), forwarded_metadata(context, self._hop)
-        channel = default_forwarder().channel
-        calls = [
-            channel(target).unary_unary(method, None, None)(
-                payload, timeout=context.time_remaining(), metadata=metadata
-            )
-            for _, target in self.slot.peers()
-        ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        failed = [(i, r) for (i, _), r in zip(self.slot.peers(), results, strict=True) if isinstance(r, BaseException)]
-        if not failed:
+        metadata = forwarded_metadata(context, self._hop)
+        failed = await update_peers(self.slot, peer, metadata, context.time_remaining())
+        if failed is None:
             return
-        code = failed[0][1].code() if isinstance(failed[0][1], grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-        errors = "; ".join(
-            f"worker {i}: {r.details() if isinstance(r, grpc.aio.AioRpcError) else type(r).__name__}" for i, r in failed
-        )
-        log.error("weights at version %d here but not on %s", response.policy_version, errors)
+        code, message = failed
         await context.send_initial_metadata(ACCEPTED_METADATA)  # applied here: the client must not retry it
-        await context.abort(
-            code,
-            f"weights updated to version {response.policy_version} on bridge worker {self.me} but not on {errors}; "
-            "those workers keep the old weights until an update reaches them",
-        )
+        await context.abort(code, message)
+
+
+async def update_peers(slot: WorkerSlot, request: Any, metadata: Any, timeout: float | None) -> tuple[Any, str] | None:
+    """Run ``request`` (an UpdateWeightsRequest at the version this worker just loaded) on every other worker;
+    ``metadata`` must carry this worker's hop header, so the peers do not pass it on. None when every peer
+    took it, else the status code of the first failure and a message naming every worker it failed on."""
+    payload = request.SerializeToString()
+    channel = default_forwarder().channel
+    calls = [
+        channel(target).unary_unary(UPDATE_WEIGHTS, None, None)(payload, timeout=timeout, metadata=metadata)
+        for _, target in slot.peers()
+    ]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    failed = [(i, r) for (i, _), r in zip(slot.peers(), results, strict=True) if isinstance(r, BaseException)]
+    if not failed:
+        return None
+    code = failed[0][1].code() if isinstance(failed[0][1], grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
+    errors = "; ".join(
+        f"worker {i}: {r.details() if isinstance(r, grpc.aio.AioRpcError) else type(r).__name__}" for i, r in failed
+    )
+    log.error("weights at version %d here but not on %s", request.policy_version, errors)
+    message = (
+        f"weights updated to version {request.policy_version} on bridge worker {slot.index} but not on {errors}; "
+        "those workers keep the old weights until an update reaches them"
+    )
+    return code, message
 
 
 def _die_with_parent() -> None:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -70,11 +70,20 @@ def create_app(
     *,
     session_ttl_s: float = 3600.0,
     max_body_bytes: int = 16 * 1024 * 1024,
+    weights_changed: Callable[[str, int, bool, str], Awaitable[None]] | None = None,
 ) -> Starlette:
-    """The front door over ``bridge`` (``tenants``: digest -> tenant from ``server.auth.load_tenants``)."""
+    """The front door over ``bridge`` (``tenants``: digest -> tenant from ``server.auth.load_tenants``;
+    ``weights_changed``: see ``FrontDoor``)."""
     registry = SessionRegistry(bridge, session_ttl_s)
     door = FrontDoor(
-        bridge, registry, Runner(bridge, registry, metrics), metrics, tenants, frozenset(admin_tenants), max_body_bytes
+        bridge,
+        registry,
+        Runner(bridge, registry, metrics),
+        metrics,
+        tenants,
+        frozenset(admin_tenants),
+        max_body_bytes,
+        weights_changed,
     )
     schema = build(ROUTES, VERSION)
 

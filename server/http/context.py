@@ -52,6 +52,9 @@ class FrontDoor:
     tenants: dict[str, str]  # sha256 digest -> tenant (empty: auth off)
     admins: frozenset[str]
     max_body_bytes: int
+    # After a weight route ran here: the same update on the bridge's other workers (``primerl serve --workers``;
+    # None with one worker). Arguments: checkpoint path, the version loaded, keep_kv, the caller's Authorization.
+    weights_changed: Callable[[str, int, bool, str], Awaitable[None]] | None = None
 
     @property
     def auth_on(self) -> bool:
