@@ -245,6 +245,42 @@ def _cpp_generator(port: int, inflight: int, begin: float, seconds: float) -> Ca
     return collect
 
 
+def _busy(seconds: float, out: multiprocessing.Queue[tuple[int, float, float]]) -> None:
+    """Bridge-like Python work (build and serialize a StepChunk, parse a StepRequest, a dict) for ``seconds``:
+    units of work done, CPU seconds, wall seconds."""
+    ids, lps = list(range(16)), [-0.5] * 16
+    request = pb.StepRequest(episode_id="ep-w0-x", observation_token_ids=pb.TokenIds(ids=[9])).SerializeToString()
+    units, wall0, cpu0 = 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() < wall0 + seconds:
+        for i in range(100):
+            chunk = pb.StepChunk(token_ids=ids, logprobs=lps, origins=ids)
+            chunk.done.policy_version = i
+            pb.StepRequest.FromString(request)
+            units += len({k: chunk.SerializeToString() for k in range(8)}) // 8  # one unit
+    out.put((units, time.process_time() - cpu0, time.perf_counter() - wall0))
+
+
+def machine_scaling(seconds: float, rounds: int) -> tuple[float, float]:
+    """What this machine gives a second busy process, whatever the bridge does: the same Python work in 2
+    processes at once over 1 alone, as (work per CPU-second, work per second); medians of ``rounds``."""
+    ctx = multiprocessing.get_context("spawn")
+    per_cpu, per_s = [], []
+    for _ in range(rounds):
+        rates = []
+        for n in (1, 2):
+            out = ctx.Queue()
+            procs = [ctx.Process(target=_busy, args=(seconds, out)) for _ in range(n)]
+            for p in procs:
+                p.start()
+            results = [out.get(timeout=seconds + 60) for _ in procs]
+            for p in procs:
+                p.join(30)
+            rates.append((sum(u / c for u, c, _ in results) / n, sum(u / w for u, _, w in results)))
+        per_cpu.append(rates[1][0] / rates[0][0])
+        per_s.append(rates[1][1] / rates[0][1])
+    return pct(per_cpu, 50), pct(per_s, 50)
+
+
 def measure(workers: int, seconds: float, generator: str, generators: int, inflight: int, cross: bool = False) -> Run:
     """One bridge with ``workers`` workers under load for ``seconds``; ``cross`` needs the Python generators."""
     proc, port = start_bridge("--engine", "toy", "--workers", str(workers))
@@ -285,6 +321,7 @@ def main(seconds: float, rounds: int, generator: str, generators: int, inflight:
                 f"{run.steps_per_cpu_s:,.0f} Steps per bridge CPU-s, generators {run.gen_cpu_us_per_step:,.0f} us/Step",
                 flush=True,
             )
+    probe_cpu, probe_tput = machine_scaling(3.0, 3)
     one, two, cross = sides["1"], sides["2"], sides["2x"]
     forward_us = (1 / cross.median("steps_per_cpu_s") - 1 / two.median("steps_per_cpu_s")) * 1e6
     tput = two.median("steps_per_s") / one.median("steps_per_s")
@@ -322,6 +359,12 @@ def main(seconds: float, rounds: int, generator: str, generators: int, inflight:
             "",
         ),
         (
+            "this machine: the same Python work (protobuf, a dict) in 2 processes at once over 1 alone, "
+            "work per CPU-second / work per second",
+            f"{probe_cpu:.2f} / {probe_tput:.2f}x",
+            "",
+        ),
+        (
             "load generators' CPU per Step, 1 / 2 workers",
             f"{one.median('gen_cpu_us_per_step'):,.0f} / {two.median('gen_cpu_us_per_step'):,.0f} us",
             "",
@@ -339,7 +382,10 @@ def main(seconds: float, rounds: int, generator: str, generators: int, inflight:
         f"load average {load:.1f} at the start (other work shares the machine). A bridge worker needs about a "
         "core at full load, and the generators need CPU per Step too: with every core busy, Steps/s cannot pass "
         "cores / (bridge + generator CPU per Step) (the ceiling row; one worker is also capped at one core), "
-        "which bounds the 2-worker ratio on this machine whatever the bridge does."
+        "which bounds the 2-worker ratio on this machine whatever the bridge does. The machine row runs one "
+        "pure-Python busy loop alone, then two at once (3 rounds of 3 s, no gRPC, no load generator): its "
+        "first figure is how much work a CPU-second buys when both cores are busy, against one, on this "
+        "machine; the Steps per CPU-second ratio cannot be expected above it."
     )
     if tput > ceiling_2 / ceiling_1 * 1.05:
         notes += (
@@ -363,6 +409,8 @@ def main(seconds: float, rounds: int, generator: str, generators: int, inflight:
         "forwarded_step_extra_bridge_cpu_us": forward_us,
         "cpu_ceiling_steps_per_s_1": ceiling_1,
         "cpu_ceiling_steps_per_s_2": ceiling_2,
+        "machine_two_processes_work_per_cpu_s_ratio": probe_cpu,
+        "machine_two_processes_work_per_s_ratio": probe_tput,
     }
     ratios = {"workers2_over_1_steps_per_s": tput, "workers2_over_1_steps_per_cpu_s": eff}
     record("workers", "bridge workers: --workers 2 vs 1", rows, figures, notes, ratios)

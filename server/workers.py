@@ -182,10 +182,10 @@ class OwnerInterceptor(OwnerInterceptorBase):
     async def run_here(self, method: str, behavior: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         response = await behavior(request, context)
         if self._broadcasts and method == UPDATE_WEIGHTS and not self.forwarded(context):
-            await self._broadcast(method, request, response, context)
+            await self._broadcast(request, response, context)
         return response
 
-    async def _broadcast(self, method: str, request: Any, response: Any, context: grpc.aio.ServicerContext) -> None:
+    async def _broadcast(self, request: Any, response: Any, context: grpc.aio.ServicerContext) -> None:
         """After UpdateWeights ran here: the same version on every other worker (each has its own engines)."""
         peer = type(request)()
         peer.CopyFrom(request)
