@@ -17,7 +17,10 @@ One policy version per model across all bridges (``placement.registry`` holds it
   before resuming. Nothing is applied when Redis is unreachable (UNAVAILABLE) or a bridge never drains.
 * **Fail open.** A failed registry read keeps the last-known record and counts
   ``primerl_fail_open_total{component="fleet_registry"}``; a pause whose update cannot be seen ending (Redis
-  lost) ends after ``fleet.update_timeout_s``.
+  lost) ends after ``fleet.update_timeout_s``. Turns skip the registry for a heartbeat after a failed read,
+  until a background read succeeds again. An update run within two heartbeats of the registry's return (or
+  of it losing its data) waits out that time before counting the live bridges: by then each has heartbeated
+  again, so none is left out of the barrier.
 * **Ownership.** Episodes started here are recorded as owned by this bridge's address (with a TTL), so a
   bridge that gets a Step for an episode it does not hold can find its owner.
 """
@@ -76,6 +79,8 @@ class FleetMember:
         self._adopting = asyncio.Lock()
         self._registered = False
         self._down_until = 0.0  # turns skip the registry read until then (it just failed)
+        self._back_at = 0.0  # when a registry read first succeeded after one failed or after the registry lost its data
+        self._failing = False  # the last registry read failed
         self._adding: set[str] = set()  # replica URLs being added now
         self._failures: dict[str, int] = {}  # replica URL -> times it failed (its fleet-wide backoff)
         self._healthy: list[bool] = []  # the router's health per replica at the last look (watch_health)
@@ -126,12 +131,16 @@ class FleetMember:
             record = await self.store.model(self.model)
         except RegistryUnavailable as exc:
             self.failed_open(exc)
+            self._failing = True
             self._down_until = time.monotonic() + self.config.heartbeat_s
             if self._paused_for is not None and time.monotonic() - self._paused_at > self.config.update_timeout_s:
                 self._resume("its update could not be seen ending within fleet.update_timeout_s")
             return self.record
-        if not record.replicas and record.stamp < self.record.stamp:
-            self._registered = False  # the registry lost its data (a Redis restart): list our replicas again
+        lost = record.stamp < self.record.stamp  # the registry lost its data (a Redis restart)
+        if lost and not record.replicas:
+            self._registered = False  # list our replicas again
+        if lost or self._failing:
+            self._back_at, self._failing, self._down_until = time.monotonic(), False, 0.0  # turns read it again
         self.record = record
         try:
             await self._act(record)
@@ -306,6 +315,12 @@ class FleetMember:
 
     async def _wait_for_acks(self, update: Update) -> None:
         deadline = time.monotonic() + self.config.update_timeout_s
+        settle = self._back_at + 2 * self.config.heartbeat_s - time.monotonic()
+        if settle > 0:
+            # The registry is back from an outage (or lost its data): a bridge whose heartbeat it has not seen yet
+            # would be left out of the barrier and serve the reloaded shared replicas at the old version.
+            log.info("the fleet registry is back: %.1f s for every bridge's heartbeat before counting acks", settle)
+            await asyncio.sleep(settle)
         while True:
             if self._acked != update.token and self.bridge is not None and self.bridge.inflight == 0:
                 await self.store.ack(self.model, update.target, self.id)
