@@ -76,21 +76,32 @@ def tree_cpu(pids: list[int]) -> float:
     return total
 
 
-async def _partners(chans: list[grpc.aio.Channel], start_req: bytes, cross: bool) -> list[grpc.aio.Channel]:
-    """The channel each channel's episodes are stepped through: itself, or (``cross``) one on another worker."""
+async def _partners(
+    chans: list[grpc.aio.Channel], start_req: bytes, cross: bool, connect: Callable[[], grpc.aio.Channel]
+) -> list[grpc.aio.Channel]:
+    """The channel each channel's episodes are stepped through: itself, or (``cross``) one on another worker
+    (``connect``: a new channel, opened while every connection so far reached one worker; the kernel spreads
+    connections by a hash, so 8 of them all land on one of 2 workers about once in 128 runs)."""
     if not cross:
         return chans
-    owners = []
-    for chan in chans:
+
+    async def owner(chan: grpc.aio.Channel) -> str:
         start = chan.unary_unary(SERVICE + "StartEpisode", None, pb.StartEpisodeResponse.FromString)
         ep = (await start(start_req)).episode_ids[0]
         await chan.unary_unary(SERVICE + "EndEpisode", None, None)(
             pb.EndEpisodeRequest(episode_id=ep, discard=True).SerializeToString()
         )
-        owners.append(ep.split("-")[1])
-    others = [[c for c, o in zip(chans, owners, strict=True) if o != mine] for mine in owners]
-    if not all(others):
-        raise RuntimeError(f"every connection of this generator reached one worker ({owners}): cannot cross")
+        return str(ep.split("-")[1])
+
+    owners = [await owner(chan) for chan in chans]
+    spare: list[tuple[grpc.aio.Channel, str]] = []
+    while len(set(owners) | {o for _, o in spare}) < 2:
+        if len(spare) >= 64:
+            raise RuntimeError(f"{len(chans) + len(spare)} connections all reached worker {owners[0]}: cannot cross")
+        chan = connect()
+        spare.append((chan, await owner(chan)))
+    pool = [*zip(chans, owners, strict=True), *spare]
+    others = [[c for c, o in pool if o != mine] for mine in owners]
     return [other[i % len(other)] for i, other in enumerate(others)]
 
 
@@ -100,11 +111,15 @@ async def _generate(
     """Steps completed inside [begin, begin + seconds] (wall clock) and this process's CPU over that window;
     ``cross``: every episode is started through one worker and stepped and ended through another."""
     opts = [("grpc.use_local_subchannel_pool", 1)]
-    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) for _ in range(channels)]
+
+    def connect() -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts)
+
+    chans = [connect() for _ in range(channels)]
     start_req = pb.StartEpisodeRequest(
         prompt_token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True)
     ).SerializeToString()
-    partners = await _partners(chans, start_req, cross)
+    partners = await _partners(chans, start_req, cross, connect)
     end = begin + seconds
     done = 0
     cpu: list[float] = []
@@ -134,7 +149,7 @@ async def _generate(
         cpu.append(time.process_time())
 
     await asyncio.gather(clock(), *(loop(i) for i in range(inflight)))
-    for chan in chans:
+    for chan in {*chans, *partners}:
         await chan.close(None)
     return done, cpu[1] - cpu[0]
 
