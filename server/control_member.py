@@ -316,7 +316,7 @@ class FleetMember:
     async def _wait_for_acks(self, update: Update) -> None:
         deadline = time.monotonic() + self.config.update_timeout_s
         settle = self._back_at + 2 * self.config.heartbeat_s - time.monotonic()
-        if settle > 0:
+        if self._back_at and settle > 0:
             # The registry is back from an outage (or lost its data): a bridge whose heartbeat it has not seen yet
             # would be left out of the barrier and serve the reloaded shared replicas at the old version.
             log.info("the fleet registry is back: %.1f s for every bridge's heartbeat before counting acks", settle)
