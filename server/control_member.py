@@ -80,7 +80,6 @@ class FleetMember:
         self._registered = False
         self._down_until = 0.0  # turns skip the registry read until then (it just failed)
         self._back_at = 0.0  # when a registry read first succeeded after one failed or after the registry lost its data
-        self._failing = False  # the last registry read failed
         self._adding: set[str] = set()  # replica URLs being added now
         self._failures: dict[str, int] = {}  # replica URL -> times it failed (its fleet-wide backoff)
         self._healthy: list[bool] = []  # the router's health per replica at the last look (watch_health)
@@ -131,7 +130,6 @@ class FleetMember:
             record = await self.store.model(self.model)
         except RegistryUnavailable as exc:
             self.failed_open(exc)
-            self._failing = True
             self._down_until = time.monotonic() + self.config.heartbeat_s
             if self._paused_for is not None and time.monotonic() - self._paused_at > self.config.update_timeout_s:
                 self._resume("its update could not be seen ending within fleet.update_timeout_s")
@@ -139,8 +137,8 @@ class FleetMember:
         lost = record.stamp < self.record.stamp  # the registry lost its data (a Redis restart)
         if lost and not record.replicas:
             self._registered = False  # list our replicas again
-        if lost or self._failing:
-            self._back_at, self._failing, self._down_until = time.monotonic(), False, 0.0  # turns read it again
+        if lost or self._down_until:  # the first good read since a failed one (a turn's or the background's)
+            self._back_at, self._down_until = time.monotonic(), 0.0  # and turns read the registry again
         self.record = record
         try:
             await self._act(record)
