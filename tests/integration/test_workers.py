@@ -353,15 +353,19 @@ async def test_a_worker_killed_mid_step_leaves_no_lease_behind(tmp_path: Path) -
             assert "dropped 1 Step lease(s) that crashed worker 1 held" in proc.log()
 
 
+async def _versions(stubs: dict[int, pb_grpc.PrimeRLAsyncStub]) -> list[int]:
+    """Each worker's policy version, worker 0 first."""
+    return [(await stubs[i].GetServerInfo(pb.GetServerInfoRequest())).models[0].policy_version for i in (0, 1)]
+
+
 async def test_update_weights_reaches_every_worker(workers: Workers) -> None:
     async with AsyncExitStack() as stack:
         stubs = await _by_worker(workers.port, stack)
-        before = [(await stubs[i].GetServerInfo(pb.GetServerInfoRequest())).models[0].policy_version for i in (0, 1)]
+        before = await _versions(stubs)
         assert before[0] == before[1]
         call = stubs[1].UpdateWeights(pb.UpdateWeightsRequest())
         assert (await call).policy_version == before[0] + 1
-        after = [(await stubs[i].GetServerInfo(pb.GetServerInfoRequest())).models[0].policy_version for i in (0, 1)]
-        assert after == [before[0] + 1] * 2
+        assert await _versions(stubs) == [before[0] + 1] * 2
         want = await _episode(stubs[1])  # the same new weights: the same tokens on either worker
         assert _exact((await _episode(stubs[0]))[2]) == _exact(want[2])
 
@@ -369,24 +373,20 @@ async def test_update_weights_reaches_every_worker(workers: Workers) -> None:
 async def test_the_http_weight_routes_reach_every_worker(workers: Workers) -> None:
     """prime-rl's /update_weights and /reload_weights (the HTTP front door runs on worker 0) load the same
     weights on worker 1 at the same version: before, worker 1 kept its old weights."""
-
-    async def versions() -> list[int]:
-        return [(await stubs[i].GetServerInfo(pb.GetServerInfoRequest())).models[0].policy_version for i in (0, 1)]
-
     async with AsyncExitStack() as stack, httpx.AsyncClient(timeout=60, trust_env=False) as http:
         stubs = await _by_worker(workers.port, stack)
         base = f"http://127.0.0.1:{workers.http_port}"
-        before = await versions()
+        before = await _versions(stubs)
         reply = await http.post(f"{base}/update_weights", json={"weight_dir": "/checkpoints/step-7"})
         assert reply.status_code == 200, reply.text
         assert reply.json()["policy_version"] == before[0] + 1
-        assert await versions() == [before[0] + 1] * 2
+        assert await _versions(stubs) == [before[0] + 1] * 2
         trained = _exact((await _episode(stubs[1]))[2])
         assert _exact((await _episode(stubs[0]))[2]) == trained  # the same new weights on either worker
 
         reply = await http.post(f"{base}/reload_weights")
         assert reply.status_code == 200, reply.text
-        assert await versions() == [before[0] + 2] * 2
+        assert await _versions(stubs) == [before[0] + 2] * 2
         reloaded = _exact((await _episode(stubs[1]))[2])
         assert _exact((await _episode(stubs[0]))[2]) == reloaded != trained  # both back on the base weights
 
