@@ -14,7 +14,9 @@ counted as Steps; their CPU is).
 Bridge CPU is the user+system time of the whole process tree (``primerl serve``'s parent and its workers)
 over the measured window; Steps per bridge CPU-second is the efficiency a second worker must keep (target:
 within 10 % of one worker), Steps/s the capacity it must add (target: >= 1.5x). On a machine whose cores the
-generators need too, Steps/s cannot double: the generators' CPU per Step is printed so the limit shows.
+generators need too, Steps/s cannot double: one worker already keeps more than a core busy (gRPC's threads
+beside its event loop) and the generators' CPU per Step is printed, and the bound row turns both into the most
+2 workers can reach over 1 there.
 
 A third configuration starts every episode through one worker and steps and ends it through the other
 (every Step forwarded over the private socket): what forwarding costs in bridge CPU per Step (driven by the
