@@ -96,13 +96,16 @@ async def _partners(
         return str(ep.split("-")[1])
 
     owners = [await owner(chan) for chan in chans]
-    spare: list[tuple[grpc.aio.Channel, str]] = []
-    while len(set(owners) | {o for _, o in spare}) < 2:
-        if len(spare) >= 64:
-            raise RuntimeError(f"{len(chans) + len(spare)} connections all reached worker {owners[0]}: cannot cross")
-        chan = connect()
-        spare.append((chan, await owner(chan)))
-    pool = [*zip(chans, owners, strict=True), *spare]
+    pool = list(zip(chans, owners, strict=True))
+    tries = 0
+    while len({o for _, o in pool}) < 2:
+        if tries == 64:
+            raise RuntimeError(f"{len(chans) + tries} connections all reached worker {owners[0]}: cannot cross")
+        chan, tries = connect(), tries + 1
+        if (found := await owner(chan)) == owners[0]:
+            await chan.close(None)  # the same worker again: of no use here
+        else:
+            pool.append((chan, found))
     others = [[c for c, o in pool if o != mine] for mine in owners]
     return [other[i % len(other)] for i, other in enumerate(others)]
 
