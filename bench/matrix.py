@@ -6,9 +6,12 @@
     primerl bench [same flags]                        # the same, from the console script
 
 Each benchmark runs in its own process (``python -m bench.<name>``), writes ``bench/results/<name>.json`` and
-appends its table to RESULTS.md; a failing benchmark is reported and the others still run. ``--gate`` then
-compares the same-run ratios with ``bench/baselines.json`` ("full"; quick runs use other sizes and are not
-gated) and exits non-zero naming what regressed.
+appends its table to RESULTS.md; a failing benchmark is reported and the others still run. ``--gate`` then runs
+``bench/gate.py --with-fast``: each recorded figure against its accepted baseline and noise band in
+``bench/baselines.json`` ("full"; quick runs use other sizes and are not gated), every benchmark that ran
+required to have written its figures, then the fast probes (``--inject NAME`` breaks the product in them); it
+exits non-zero naming what regressed. A target this machine cannot meet does not fail it (``bench/gate.py
+--targets`` reports those).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.gate import INJECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="primerl bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", metavar="NAME", choices=[b.name for b in MATRIX], help="run only these")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run; not gated)")
-    ap.add_argument("--gate", action="store_true", help="compare the ratios with bench/baselines.json afterwards")
+    ap.add_argument("--gate", action="store_true", help="gate the figures against bench/baselines.json afterwards")
+    ap.add_argument("--inject", choices=INJECTIONS, help="with --gate: break the product in the gate's fast probes")
     ap.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     args = ap.parse_args(argv)
+    if args.inject and not args.gate:
+        ap.error("--inject breaks the product in the gate's fast probes: use it with --gate")
     if args.list:
         for b in MATRIX:
             print(f"{b.name:16s} {b.what}")
@@ -106,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from bench import gate
 
-        return gate.main(["--only", *(args.only or [])] if args.only else [])
+        gate_args = ["--with-fast", "--require", *(name for name, _, _ in results)]
+        gate_args += [
+            *(["--only", *args.only] if args.only else []),
+            *(["--inject", args.inject] if args.inject else []),
+        ]
+        return gate.main(gate_args)
     return 0
 
 

@@ -30,7 +30,8 @@ table, writes `bench/results/<name>.json` and appends its table to the run log a
 summary is then regenerated from the JSON. Absolute times are of the machine named under each table and are noisy
 on a shared 2-core box; the **ratios** are measured against a baseline taken in the same run (bridge vs the same
 engine in-process, stateful vs re-prefill, 8 vs 1 episodes, speculation on vs off, cache-aware vs round-robin)
-and are what `bench/gate.py` checks against `bench/baselines.json` (`make bench-gate`). `make test` runs the fast,
+and are what `bench/gate.py` checks against their accepted baselines and noise bands in `bench/baselines.json`
+(`make bench-gate`; `make bench-targets` reports them against their targets). `make test` runs the fast,
 count-based part of the gate (`bench/gate.py --fast`).
 """
 

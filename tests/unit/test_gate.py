@@ -1,4 +1,5 @@
-"""The performance gate's comparison logic (bench/gate.py): direction, tolerance, missing figures, message."""
+"""The performance gate's comparison logic (bench/gate.py): direction, tolerance, missing figures, message; the fast
+probes' figures. The full gate's baselines, noise bands and targets report: test_gate_targets.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.gate import BASELINES, check, table
+import pytest
+
+from bench.gate import BASELINES, check, measured_noise, table
 
 SPEC = {
     "a.lower_is_better": {"value": 1.0, "better": "lower", "tolerance": 0.1},
@@ -17,15 +20,16 @@ SPEC = {
 def test_within_tolerance_passes_and_beyond_fails() -> None:
     ok = check({"a.lower_is_better": 1.1, "b.higher_is_better": 1.5}, SPEC)
     assert all(v.ok for v in ok)
+    assert [v.tolerance for v in ok] == [pytest.approx(0.1), pytest.approx(0.5)]  # scripts/dev_loop.sh's CSV
     bad = check({"a.lower_is_better": 1.2, "b.higher_is_better": 1.4}, SPEC)
     assert [v.ok for v in bad] == [False, False]
-    assert "REGRESSED" in table(bad) and "+0.2" in table(bad)
+    assert "REGRESSED" in table(bad) and "+20.0 %" in table(bad) and "-30.0 %" in table(bad)
 
 
 def test_a_missing_figure_fails() -> None:
     verdicts = check({"a.lower_is_better": 0.5}, SPEC)
     assert [(v.figure, v.ok) for v in verdicts] == [("a.lower_is_better", True), ("b.higher_is_better", False)]
-    assert "missing" in table(verdicts)
+    assert "MISSING" in table(verdicts)
 
 
 def test_committed_baselines_are_well_formed() -> None:
@@ -37,6 +41,11 @@ def test_committed_baselines_are_well_formed() -> None:
             assert "why" in spec, name
     for name, spec in baselines["fast"].items():
         assert spec["tolerance"] >= 0, name
+    for name, spec in baselines["full"].items():
+        base = spec["baseline"]
+        assert base["recorded"] and base["noise_from"].strip() and base["runs"], name
+        # The band covers the spread of the runs it names: any of them passes against a baseline from another.
+        assert base["noise"] >= measured_noise(base["runs"]), name
 
 
 def test_the_fleet_probes_pass_and_an_injected_round_robin_fails_them() -> None:
