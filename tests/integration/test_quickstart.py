@@ -65,7 +65,11 @@ def test_make_gen_proto_regenerates_the_committed_stubs(tmp_path: Path) -> None:
     for name in ("Makefile", "pyproject.toml", "constraints.txt"):
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(ROOT / "proto", tmp_path / "proto", ignore=shutil.ignore_patterns("*_pb2*", "__pycache__"))
-    run(["make", "--no-print-directory", "gen-proto", f"VENV={ROOT / '.venv'}"], timeout=580, cwd=tmp_path)
+    # -o setup: the scratch copy borrows the repo's virtualenv, it must not reinstall the project into it (its
+    # copied pyproject.toml is newer than the venv's stamp, so setup would run `pip install -e .` from the copy and
+    # leave the editable install pointing at this temporary directory; tests/env_guard.py catches that).
+    cmd = ["make", "--no-print-directory", "-o", "setup", "gen-proto", f"VENV={ROOT / '.venv'}"]
+    run(cmd, timeout=580, cwd=tmp_path)
     generated = sorted((tmp_path / "proto" / "primerl" / "v1").glob("*_pb2*"))
     assert generated, "make gen-proto wrote no stubs"
     for stub in generated:
