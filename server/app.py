@@ -41,6 +41,7 @@ log = logging.getLogger("primerl.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrimeRL"].full_name
 STUCK_EXIT_S = 30.0  # serve(): a shutdown this long past the grace period exits the process
+SETTLE_S = 5.0  # stop(): how long cancelled Steps get to write their episodes back and unlease them
 
 
 @dataclass
@@ -138,6 +139,8 @@ class BridgeServer:
         self.stop_phase = "draining in-flight RPCs"
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        self.stop_phase = "settling cancelled Steps"
+        await self._settle()
         if self.http is not None:
             self.stop_phase = "stopping the HTTP front door"
             await self.http.stop()
@@ -159,6 +162,22 @@ class BridgeServer:
             self.metrics_endpoint.stop()
         self.tracing.shutdown()
         self.stop_phase = "exiting the process"
+
+    async def _settle(self) -> None:
+        """Before the journal closes: let the Steps that stop() cancelled finish their cleanup (write the episode
+        back, release its Step lease). Cut short, a lease would stay in Redis and the episode's next Step or end,
+        through the next bridge, would be refused as busy until the lease expired."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SETTLE_S
+        while self.bridge.inflight or self.bridge.episodes.leases_held:
+            if loop.time() >= deadline:
+                log.warning(
+                    "%d Step lease(s) still held after %.0f s: they expire on their own",
+                    self.bridge.episodes.leases_held,
+                    SETTLE_S,
+                )
+                return
+            await asyncio.sleep(0.01)
 
 
 async def _drop_leases(journal: EpisodeJournal, worker: WorkerSlot) -> None:

@@ -47,6 +47,7 @@ class JournaledStore:
         self._local_only = local_only  # episodes that live in this process only (env sessions)
         self._on_loaded = on_loaded  # an episode this bridge did not hold was loaded
         self._on_dropped = on_dropped  # an episode ended through another bridge was dropped here
+        self.leases_held = 0  # Step leases this bridge holds in Redis: a shutdown waits for 0 (BridgeServer.stop)
 
     def failed(self, what: str, exc: PersistenceUnavailable) -> None:
         """Fail the RPC (persistence.required) or fail open: log, count, go on in memory."""
@@ -125,6 +126,7 @@ class JournaledStore:
             return False
         try:
             if await self.journal.acquire(episode_id):
+                self.leases_held += 1
                 return True
         except PersistenceUnavailable as exc:
             self.failed("lease", exc)
@@ -138,3 +140,5 @@ class JournaledStore:
             await asyncio.shield(self.journal.release(episode_id))
         except PersistenceUnavailable as exc:  # the lease expires on its own
             log.warning("could not release the lease of episode %s: %s", episode_id, exc.message)
+        finally:
+            self.leases_held -= 1
