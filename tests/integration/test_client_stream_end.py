@@ -20,12 +20,14 @@ from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from rl_client import AsyncBridgeClient
 
-LINGER_S = 1.0  # between the final chunk and the handler's return (the status)
+LINGER_S = 5.0  # between the final chunk and the handler's return (the status): longer than the client's loop
+# takes on a loaded machine, so that "nothing ended yet" holds whatever else runs beside the test
 
 
 class SlowToFinish(pb_grpc.PrimeRLServicer):
     def __init__(self) -> None:
         self.ended: list[str] = []  # per Step: "ok" (ran to its end) or "cancelled" (the client cancelled it)
+        self.linger_s = LINGER_S
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepChunk]:
         try:
@@ -33,7 +35,7 @@ class SlowToFinish(pb_grpc.PrimeRLServicer):
             final = pb.StepChunk(token_ids=[6], logprobs=[-0.25])
             final.done.finish_reason = pb.FINISH_REASON_LENGTH
             yield final
-            await asyncio.sleep(LINGER_S)
+            await asyncio.sleep(self.linger_s)
         except asyncio.CancelledError:  # how a grpc.aio handler learns that its client cancelled
             self.ended.append("cancelled")
             raise
@@ -53,6 +55,14 @@ async def server() -> AsyncIterator[tuple[SlowToFinish, int]]:
         await srv.stop(0)
 
 
+async def ended(servicer: SlowToFinish, count: int, timeout_s: float = 60.0) -> list[str]:
+    """The handlers' endings once ``count`` of them ended (or what there is after ``timeout_s``)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while len(servicer.ended) < count and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)  # the servicer appends from its handlers; polling keeps it a plain list
+    return servicer.ended
+
+
 async def test_stopping_at_done_lets_the_call_finish(server) -> None:  # type: ignore[no-untyped-def]
     servicer, port = server
     async with AsyncBridgeClient(f"127.0.0.1:{port}", timeout=10) as client:
@@ -67,16 +77,15 @@ async def test_stopping_at_done_lets_the_call_finish(server) -> None:  # type: i
             turn = await client.step("ep")
             assert list(turn.token_ids) == [6]
         assert servicer.ended == []  # the caller had each final chunk while every handler still lingered
-        await asyncio.sleep(LINGER_S + 0.2)
-    assert servicer.ended == ["ok"] * 6
+        assert await ended(servicer, 6) == ["ok"] * 6
 
 
 async def test_a_caller_that_leaves_mid_stream_still_cancels_the_call(server) -> None:  # type: ignore[no-untyped-def]
     servicer, port = server
+    servicer.linger_s = 60.0  # only a cancellation ends the handler within the wait below, however slow the machine
     async with AsyncBridgeClient(f"127.0.0.1:{port}", timeout=10) as client:
         stream = client.stream_step("ep")
         first = await anext(stream)
         assert first.token_ids == [5] and first.done is None
         await stream.aclose()  # left before the final chunk
-        await asyncio.sleep(LINGER_S + 0.2)
-    assert servicer.ended == ["cancelled"]
+        assert await ended(servicer, 1, timeout_s=30.0) == ["cancelled"]
