@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from filelock import FileLock
 
 from grpo.bridge_proc import bridge_process
 
@@ -83,7 +84,10 @@ def test_quick_start_ppo_trains_with_a_progress_bar(
     assert rollout_manager.last_stats.episodes == 2
 
 
-STEPS = 4  # trained steps; the last two are compared with the same batches sampled by the untrained model
+# Trained steps; the last two are compared with the same batches sampled by the untrained model. 3 since the test-loop
+# issue 33 (4 before): measured mean rewards per step 0.075 / 0.34-0.62 / 0.73-0.88 / 0.91-1.0 (grpo, ppo,
+# reinforce), so steps 2-3 already clear the untrained batches (~0.08) by far more than the 0.15 margin.
+STEPS = 3
 # make run's rollouts (groups of 8, the 32-token call turn fits a whole calculator call)
 ROLLOUT = {"group_size": 8, "temperature": 0.8, "turn_max_tokens": [32, 8], "max_concurrent": 8}
 
@@ -103,9 +107,7 @@ def config(name: str, out: Path) -> Any:
     )
 
 
-@pytest.fixture(scope="module")
-def untrained_rewards(tmp_path_factory: pytest.TempPathFactory) -> float:
-    """Mean reward of the batches of steps STEPS-1 and STEPS (same problems, same per-turn seeds) before training."""
+def _untrained_rewards() -> float:
     from grpo import InferenceModule, RolloutConfig, RolloutManager
     from grpo.tasks import ArithmeticEnvironment
 
@@ -116,6 +118,21 @@ def untrained_rewards(tmp_path_factory: pytest.TempPathFactory) -> float:
         inference.close()
     print(f"\nuntrained rewards of steps {STEPS - 1}-{STEPS}: {rewards}")
     return float(np.mean(rewards))
+
+
+@pytest.fixture(scope="session")
+def untrained_rewards(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> float:
+    """Mean reward of the batches of steps STEPS-1 and STEPS (same problems, same per-turn seeds) before training.
+
+    Computed once per run: the learning tests are separate xdist work units (tests/scheduling.py), and the workers
+    that take them share the figure through a file in the run's base directory."""
+    if worker_id == "master":  # no xdist: this process is the whole run
+        return _untrained_rewards()
+    shared = tmp_path_factory.getbasetemp().parent / "rl_primitives_untrained_rewards.json"
+    with FileLock(f"{shared}.lock"):
+        if not shared.exists():
+            shared.write_text(json.dumps(_untrained_rewards()))
+        return float(json.loads(shared.read_text()))
 
 
 @pytest.mark.timeout(1800)

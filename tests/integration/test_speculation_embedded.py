@@ -19,7 +19,7 @@ from speculation.grammar import CompiledToolGrammar, ll_tokenizer
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
-EPISODES = 50
+EPISODES = 10  # 50 until the test-loop issue 33: the same assertions on a fifth of the episodes
 MAX_TOKENS = 48
 
 
@@ -44,7 +44,7 @@ async def _run(
     return ids, origins
 
 
-@pytest.mark.timeout(3600)  # ~5 min on an idle 2-core machine, much more on a shared one
+@pytest.mark.timeout(1800)  # ~1 min on an idle 2-core machine, more on a shared one
 async def test_greedy_tokens_identical_with_and_without_speculation(engine: Any) -> None:
     compiled = CompiledToolGrammar(workload.grammar(), ll_tokenizer(engine.tokenizer._tok))
     cfg = SpeculationConfig(enabled=True)
@@ -63,7 +63,7 @@ async def test_greedy_tokens_identical_with_and_without_speculation(engine: Any)
     mismatched = [i for i, (a, b) in enumerate(zip(plain, spec, strict=True)) if a[0] != b[0]]
     assert not mismatched, f"episodes {mismatched} differ"
     calls = sum("<tool_call>" in engine.tokenizer.decode(ids) for ids, _ in plain)
-    assert calls >= EPISODES // 3  # a tool-call workload (20 of 50 at 48 tokens when measured)
+    assert calls >= EPISODES // 3  # a tool-call workload (20 of 50 at 48 tokens when measured over 50)
     accepted = sum(o.count(Origin.DRAFT_ACCEPTED) for _, o in spec)
     assert accepted > 0 and all(set(o) <= {Origin.SAMPLED, Origin.DRAFT_ACCEPTED, Origin.RESAMPLED} for _, o in spec)
     assert sum(d.stats.spans_opened for d in drafters) >= calls
