@@ -2,7 +2,7 @@
 
 Recording: with ``PRIMERL_TEST_DURATIONS=PATH`` (``make test`` and ``make test-fast`` set it), every test phase
 (set-up, call, tear-down) with its duration and worker is written to PATH at the end of the session;
-``scripts/test_durations.py`` sums it per module and per fixture set-up, and writes the per-unit estimates
+``scripts/suite_durations.py`` sums it per module and per fixture set-up, and writes the per-unit estimates
 below. A run of one module by hand records nothing, so it never overwrites the last full run's record.
 
 Scheduling (``make test`` runs ``-n 2 --dist loadscope --no-loadscope-reorder``): xdist hands a worker one work
@@ -31,7 +31,6 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 ESTIMATES = Path(__file__).resolve().parent / "durations.json"
 RECORD_ENV = "PRIMERL_TEST_DURATIONS"
 INTEGRATION = "tests/integration/"
@@ -90,10 +89,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
-        """xdist's scope scheduling with ``unit_of`` as the scope."""
+        """xdist's scope scheduling with ``unit_of`` as the scope, and every item of a node id sent.
+
+        schemathesis' ``schema.parametrize()`` makes one item per API operation, and under pytest 9.2 they all
+        carry the test's bare node id (13 items of ``test_no_server_error_and_openai_error_json``). xdist keys a
+        work unit by node id and sends ``collection.index(nodeid)``: only the first of them ran, 41 of the
+        suite's items silently did not. So a unit sends the index of every item whose node id it holds."""
 
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            scope, work_unit = self.workqueue.popitem(last=False)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            pending = {nodeid for nodeid, completed in work_unit.items() if not completed}
+            collection = self.registered_collections[node]
+            node.send_runtest_some([i for i, nodeid in enumerate(collection) if nodeid in pending])
 
     return GroupScheduling(config, log)
 

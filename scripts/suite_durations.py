@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Where the test suite's time goes, from the record ``tests/scheduling.py`` writes after every run.
 
-    python scripts/test_durations.py                    # bench/out/test_durations.json of the last run
-    python scripts/test_durations.py RECORD --top 10    # the 10 slowest tests
-    python scripts/test_durations.py --write-estimates  # refresh tests/durations.json (the xdist queue order)
-    python scripts/test_durations.py --json             # the summary as JSON
+    python scripts/suite_durations.py                    # bench/out/test_durations.json of the last run
+    python scripts/suite_durations.py RECORD --top 10    # the 10 slowest tests
+    python scripts/suite_durations.py --write-estimates  # refresh tests/durations.json (the xdist queue order)
+    python scripts/suite_durations.py --json             # the summary as JSON
 
 Prints the run's wall time and exit status, the busy time of each worker, the time per module (set-up, call,
 tear-down; the set-up column is mostly module- and session-scoped fixtures: a model loaded, a server
@@ -99,7 +99,7 @@ def write_estimates(summary: dict[str, Any]) -> None:
     units = {**old, **summary["units"]}
     doc = {
         "why": "seconds per xdist work unit (tests/scheduling.py) in the last full run, longest first: the order "
-        "make test queues them in; python scripts/test_durations.py --write-estimates refreshes it",
+        "make test queues them in; python scripts/suite_durations.py --write-estimates refreshes it",
         "units": dict(sorted(units.items(), key=lambda kv: -kv[1])),
     }
     ESTIMATES.write_text(json.dumps(doc, indent=1) + "\n")

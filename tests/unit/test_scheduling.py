@@ -1,0 +1,48 @@
+"""tests/scheduling.py: what an xdist work unit is, the queue order, and the record scripts/suite_durations.py reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from scripts import suite_durations
+from tests import scheduling
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_module_is_one_unit_and_the_vllm_modules_are_one() -> None:
+    assert scheduling.unit_of("tests/unit/test_toolcall.py::test_a") == "tests/unit/test_toolcall.py"
+    assert scheduling.unit_of("tests/integration/test_engine_vllm.py::test_errors_and_abort") == "vllm"
+    assert scheduling.unit_of("tests/integration/test_control_vllm.py::test_x[1]") == "vllm"
+    split = "tests/integration/test_rl_primitives.py::test_algorithm_raises_the_mean_reward[ppo]"
+    assert scheduling.unit_of(split) == split  # a SPLIT module: each test its own unit
+
+
+def test_every_named_module_exists_and_every_estimate_is_a_unit_of_today() -> None:
+    named = [m for modules in scheduling.GROUPS.values() for m in modules] + list(scheduling.SPLIT)
+    assert all((ROOT / m).is_file() for m in named), named
+    estimates = scheduling.load_estimates()
+    assert estimates and all(seconds >= 0 for seconds in estimates.values())
+    assert max(estimates, key=estimates.__getitem__) in {"vllm", "tests/integration/test_rl_resume.py"} | {
+        u for u in estimates if u.startswith("tests/integration/test_rl_primitives.py::")
+    }
+
+
+def test_the_summary_sums_phases_per_module_unit_and_worker(tmp_path: Path) -> None:
+    phases = [
+        {"nodeid": "tests/a.py::t1", "unit": "tests/a.py", "when": "setup", "duration": 2.0, "outcome": "passed",
+         "worker": "gw0"},
+        {"nodeid": "tests/a.py::t1", "unit": "tests/a.py", "when": "call", "duration": 3.0, "outcome": "passed",
+         "worker": "gw0"},
+        {"nodeid": "tests/b.py::t2", "unit": "vllm", "when": "call", "duration": 1.0, "outcome": "failed",
+         "worker": "gw1"},
+    ]  # fmt: skip
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({"wall_s": 4.0, "workers": 2, "exitstatus": 1, "phases": phases}))
+    summary = suite_durations.summarise(suite_durations.load(path), top=5)
+    assert summary["outcomes"] == {"passed": 1, "failed": 1}
+    assert summary["busy_s"] == {"gw0": 5.0, "gw1": 1.0}
+    assert summary["modules"][0] == {"module": "tests/a.py", "setup": 2.0, "call": 3.0, "teardown": 0.0, "total": 5.0}
+    assert summary["units"] == {"tests/a.py": 5.0, "vllm": 1.0}
+    assert summary["slowest"][0] == {"test": "tests/a.py::t1", "seconds": 5.0}
