@@ -257,7 +257,9 @@ class CodeSandbox:
                 await asyncio.gather(feed(), pump(proc.stdout, out), pump(proc.stderr, err))
                 await proc.wait()
         except TimeoutError:
-            timed_out = True
+            # Output past the cap already killed the group: the clock then only ran out while the kill landed
+            # (a loaded machine), and the cap stays the reason given.
+            timed_out = not capped.is_set()
             _kill_group(proc.pid)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), timeout=5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import stat
 import tempfile
 import time
@@ -167,11 +168,11 @@ async def test_infinite_loop_is_killed_by_cpu_limit_or_wall_clock() -> None:
 
 
 async def test_huge_output_is_capped_and_the_process_killed() -> None:
-    t0 = time.monotonic()
     r = await sandbox(max_output_bytes=4096).run("import sys\nwhile True:\n    sys.stdout.write('A' * 65536)")
     assert r.output_capped and len(r.stdout) + len(r.stderr) <= 4096
+    # the cap killed it (not the wall clock, even where the kill lands after the clock ran out on a loaded machine)
+    assert not r.timed_out and r.exit_code == 128 + signal.SIGKILL, r
     assert r.describe().startswith("error (limit): output exceeded the cap")
-    assert time.monotonic() - t0 < 3
 
 
 async def test_big_file_is_refused() -> None:
