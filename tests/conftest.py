@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from engines.launch import free_port
 from rl_client import AsyncBridgeClient
 from server.app import BridgeServer, create_server
 from server.config import load_settings
@@ -83,7 +85,17 @@ async def start_bridge() -> AsyncIterator[StartBridge]:
             overrides.setdefault("server", {}).setdefault("port", 0)
             overrides["server"].setdefault("grace_period_s", 1.0)
             overrides.setdefault("metrics", {}).setdefault("port", 0)  # never the shared default 9300
-            server = await create_server(load_settings(**overrides))
+            for attempt in range(3):
+                try:
+                    server = await create_server(load_settings(**overrides))
+                    break
+                except OSError as exc:
+                    # The front door's port comes from free_port(): on two xdist workers another process can
+                    # take it between the probe and the bind. Probe again (the bridge has no ephemeral HTTP port).
+                    http = overrides.get("http", {})
+                    if exc.errno != errno.EADDRINUSE or not http.get("port") or attempt == 2:
+                        raise
+                    http["port"] = free_port()
             await server.start()
             stack.push_async_callback(server.stop, 0.5)
             client = AsyncBridgeClient(f"127.0.0.1:{server.port}", timeout=30)
