@@ -28,9 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import free_port, pct, record, start_bridge
+from core.types import GenerateRequest, SamplingParams
 from engines.config import ToyConfig
 from engines.toy import ToyEngine
-from engines.types import GenerateRequest, SamplingParams
 from rl_client import AsyncBridgeClient
 from rl_client.errors import UnavailableError
 

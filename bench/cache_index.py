@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import pct, record
 from cache import CacheConfig, Fingerprinter
 from cache.redis_index import RedisIndex
-from engines.salt import CacheSalt
+from core.salt import CacheSalt
 from tests.integration.redis_proc import PrivateRedis
 
 PROMPT = 4096

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import contextlib
 
 from bench._common import free_port, record
+from core.types import ModelFacts
 from engines.config import SglangConfig, ToyConfig
-from engines.sglang import SglangEngine
+from engines.http.sglang import SglangEngine
 from engines.toy import ToyEngine
-from engines.types import ModelFacts
 from rl_client import AsyncBridgeClient
 from rl_client.errors import FailedPreconditionError, UnavailableError
 from server.app import create_server

@@ -26,9 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import record
+from core.types import GenerateRequest, Message, SamplingParams
 from engines.config import EmbeddedConfig
-from engines.embedded import EmbeddedEngine
-from engines.types import GenerateRequest, Message, SamplingParams
+from engines.embedded.engine import EmbeddedEngine
 
 
 def tool_output(rows: int) -> str:
@@ -133,7 +133,7 @@ def plot_turn5(rows: list[int], workloads: list[dict[str, float]], conc: dict[st
 
 
 def load_times(skip_cold: bool) -> dict[str, float]:
-    from engines.embedded import load_model
+    from engines.embedded.engine import load_model
 
     out: dict[str, float] = {}
     if not skip_cold:

@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import pct, record, start_bridge
 from bench.bridge_overhead import cpu_seconds
+from core.types import GenerateRequest, SamplingParams
 from engines.config import VllmConfig
+from engines.http.remote import read_model_facts
+from engines.http.vllm import VllmEngine
+from engines.http.wire import iter_sse
 from engines.launch import VllmProcess, provision_vllm
 from engines.model_store import ensure_converted
-from engines.remote import read_model_facts
-from engines.types import GenerateRequest, SamplingParams
-from engines.vllm import VllmEngine
-from engines.wire import iter_sse
 from rl_client import AsyncBridgeClient
 
 PROMPT = [1, *range(2000, 2040)]

@@ -238,9 +238,9 @@ def targets_report(found: list[Gap]) -> str:
 
 async def embedded_probes(inject: str | None) -> dict[str, float]:
     """Count-based figures of the embedded engine (greedy decoding, token and forward-pass counters)."""
+    from core.types import GenerateRequest, Message, SamplingParams
     from engines.config import EmbeddedConfig
-    from engines.embedded import EmbeddedEngine
-    from engines.types import GenerateRequest, Message, SamplingParams
+    from engines.embedded.engine import EmbeddedEngine
 
     config = EmbeddedConfig(kv_budget_bytes=0 if inject == "kv-off" else 1 << 30)
     if inject == "no-batching":
@@ -294,7 +294,7 @@ async def speculation_probes(engine: Any, inject: str | None) -> dict[str, float
     """Greedy tool-call episodes with drafts off vs on: target forward passes per generated token, identity."""
     from bench import spec_workload as workload
     from bench.speculation import Tally, run_episode
-    from engines.types import SamplingParams
+    from core.types import SamplingParams
     from speculation.config import SpeculationConfig
     from speculation.drafters import SpeculativeDrafter
     from speculation.grammar import CompiledToolGrammar, ll_tokenizer

@@ -32,9 +32,9 @@ import httpx
 
 from bench._common import free_port, pct, record, start_bridge
 from bench.bridge_overhead import cpu_seconds
+from core.types import GenerateRequest, SamplingParams
 from engines.config import ToyConfig
 from engines.toy import ToyEngine
-from engines.types import GenerateRequest, SamplingParams
 from rl_client import AsyncBridgeClient
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5]

@@ -1,6 +1,6 @@
 """LLMServeEnv agents: PPO vs heuristic vs random, 20 held-out episodes x 3 tasks (issue 20, acceptance 4).
 
-One run on this machine: for each task, ``envhub.llmserve.ppo.train`` (behaviour-cloning warm start
+One run on this machine: for each task, ``llmserve.ppo.train`` (behaviour-cloning warm start
 from the heuristic, then PPO on training seeds >= ``TRAIN_SEED_BASE``), timed (wall clock and the
 process's CPU time: the machine is shared, so the wall clock may wait); then every agent plays the
 held-out seeds ``0..episodes-1`` and each episode is graded by ``grader.grade`` (random floor 0,
@@ -21,9 +21,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import BENCH, record
-from envhub.llmserve.evaluate import Cell, evaluate
-from envhub.llmserve.ppo import TrainConfig, train
-from envhub.llmserve.tasks import TASKS
+from llmserve.evaluate import Cell, evaluate
+from llmserve.ppo import TrainConfig, train
+from llmserve.tasks import TASKS
 
 AGENTS = ["ppo", "heuristic", "random"]
 PLOT = BENCH / "plots" / "llmserve_agents.png"

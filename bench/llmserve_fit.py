@@ -1,16 +1,16 @@
 """Fit LLMServeEnv's second cost-coefficient set from measurements of this project's embedded engine.
 
-The simulator prices engine steps in DistServe's form (``envhub/llmserve/profiles.py``): a prefill of prompt
+The simulator prices engine steps in DistServe's form (``llmserve/profiles.py``): a prefill of prompt
 length ``n`` costs ``a + b*n + c*n^2`` ms, a decode iteration over ``B`` sequences of context ``ctx`` costs
 ``a + b*B*ctx + c*B + d*[B > 1]`` ms (``d``: the CPU's GEMM-instead-of-GEMV step, see ``profiles``). This
-script measures exactly the forward passes the embedded engine runs (``engines/embedded.py``: one prefill
-forward per sequence; one batched decode forward over the left-packed caches, ``engines.kvcache.pack_left``)
+script measures exactly the forward passes the embedded engine runs (``engines/embedded/engine.py``: one prefill
+forward per sequence; one batched decode forward over the left-packed caches, ``engines.embedded.kvcache.pack_left``)
 for SmolLM2-135M on torch CPU over a grid of shapes, keeps the minimum of ``--repeats`` timings per shape,
 taken round-robin over the shapes (the least disturbed by other load), fits the coefficients by non-negative
 least squares (``scipy.optimize.nnls``) on the training shapes, and checks the fit on held-out shapes (every
 third shape of each grid, never used in the fit): target max relative error <= 20 %.
 
-Writes ``envhub/llmserve/data/coeffs_embedded_smollm2_cpu.json`` (read by ``profiles.EMBEDDED_SMOLLM2_CPU``)
+Writes ``llmserve/data/coeffs_embedded_smollm2_cpu.json`` (read by ``profiles.EMBEDDED_SMOLLM2_CPU``)
 and records the table in ``bench/RESULTS.md``.
 
 Usage: python bench/llmserve_fit.py [--repeats 5] [--threads N]
@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import machine, record
 from engines.config import EmbeddedConfig
-from engines.embedded_model import load_model
-from engines.kvcache import forward_with_cache, new_cache, pack_left
-from envhub.llmserve.profiles import COEFFS_FILE
+from engines.embedded.kvcache import forward_with_cache, new_cache, pack_left
+from engines.embedded.model import load_model
+from llmserve.profiles import COEFFS_FILE
 
 PREFILL_SHAPES = tuple((n,) for n in (16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512))
 DECODE_SHAPES = tuple((b, ctx) for b in (1, 2, 4, 8) for ctx in (32, 64, 128, 256, 384, 512))

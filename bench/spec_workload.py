@@ -1,7 +1,7 @@
 """A tool-call-heavy workload (a fixture, not shipped): speculation tests, ``bench/speculation.py``, ``bench/gate.py``.
 
 Each episode is a chat with the env's tools in the system prompt (``engines.chat`` renders them
-Hermes-style), one worked example of a tool-call block (``engines.toolcall``) and its tool result, then a new user
+Hermes-style), one worked example of a tool-call block (``core.toolcall``) and its tool result, then a new user
 question: the model's reply is usually a tool call whose arguments copy words from the question.
 """
 
@@ -11,12 +11,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engines.toolcall import format_call
-from engines.types import Message
+from core.grammar import ToolGrammar
+from core.toolcall import format_call
+from core.types import Message
 from envhub.envs.code_math import PYTHON_TOOL
 from envhub.envs.sql_qa import SQL_TOOL
 from envhub.envs.web_lookup import FETCH_TOOL
-from envhub.grammar import ToolGrammar, grammar_for
+from envhub.grammar import grammar_for
 from envhub.types import ToolSpec
 
 TOOLS: tuple[ToolSpec, ...] = (SQL_TOOL, FETCH_TOOL, PYTHON_TOOL)

@@ -21,9 +21,9 @@ from typing import Any
 
 from bench import spec_workload as workload
 from bench._common import record
+from core.toolcall import TOOL_CALL_BEGIN
+from core.types import GenerateRequest, SamplingParams
 from engines.config import EmbeddedConfig
-from engines.toolcall import TOOL_CALL_BEGIN
-from engines.types import GenerateRequest, SamplingParams
 from speculation.config import SpeculationConfig
 from speculation.drafters import SpeculativeDrafter
 from speculation.grammar import CompiledToolGrammar, ll_tokenizer
@@ -72,7 +72,7 @@ async def main() -> None:
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
 
-    from engines.embedded import EmbeddedEngine
+    from engines.embedded.engine import EmbeddedEngine
 
     engine = await EmbeddedEngine.start(EmbeddedConfig(max_model_len=2048, num_threads=args.threads))
     compiled = CompiledToolGrammar(workload.grammar(), ll_tokenizer(engine.tokenizer._tok))

@@ -36,9 +36,9 @@ import httpx
 
 from bench._common import free_port, pct, record
 from envhub.graders import get_grader
-from envhub.verifier.config import VerifierConfig
-from envhub.verifier.service import ScoreRequest, Verifier
-from envhub.verifier.statement import VerdictSample
+from verifier.config import VerifierConfig
+from verifier.service import ScoreRequest, Verifier
+from verifier.statement import VerdictSample
 
 TOKENS = 64
 

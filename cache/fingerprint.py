@@ -3,7 +3,7 @@
 The hash (stable across processes, machines and Python versions; never ``hash()``):
 
 - root seed = ``xxh3_64("primerl/pfx/v1|" + str(salt))`` (UTF-8), the salt being an
-  ``engines.salt.CacheSalt`` (``model|lora|policy_version``, then ``|tenant`` when there is one);
+  ``core.salt.CacheSalt`` (``model|lora|policy_version``, then ``|tenant`` when there is one);
 - block ``i`` (tokens ``[i*B, (i+1)*B)`` as little-endian uint32) hashes to
   ``h_i = xxh3_64(block_bytes, seed=h_{i-1})`` with ``h_{-1}`` = the root seed.
 
@@ -30,7 +30,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from engines.salt import CacheSalt
+from core.salt import CacheSalt
 
 HashAlgo = Literal["xxh3_64", "blake2b"]
 _MASK = (1 << 64) - 1

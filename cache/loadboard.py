@@ -22,7 +22,7 @@ from typing import Protocol
 from redis.exceptions import RedisError
 
 from cache.redis_index import RedisIndex
-from engines.tasks import cancel_and_wait
+from core.tasks import cancel_and_wait
 
 log = logging.getLogger("primerl.cache")
 

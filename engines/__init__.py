@@ -22,21 +22,21 @@ __all__ = ["Engine", "EngineConfig", "Tokenizer", "make_engines"]
 
 async def make_engines(config: EngineConfig) -> list[Engine]:
     """Start the replicas of the configured engine (one per URL for remote engines)."""
-    from engines.errors import InvalidArgument
+    from core.errors import InvalidArgument
 
     if config.type == "toy":
         from engines.toy import ToyEngine
 
         return [ToyEngine(config.toy, model=config.model, replica=f"toy-{i}") for i in range(config.replicas)]
     if config.type == "embedded":
-        from engines.embedded import EmbeddedEngine
+        from engines.embedded.engine import EmbeddedEngine
 
         return [
             await EmbeddedEngine.start(config.embedded, model=config.model, replica=f"embedded-{i}")
             for i in range(config.replicas)
         ]
     if config.type in ("vllm", "sglang", "trtllm"):
-        from engines.remote import make_remote_engines
+        from engines.http.remote import make_remote_engines
 
         return list(await make_remote_engines(config))
     raise InvalidArgument(f"engine type {config.type!r} is not available in this build")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol, runtime_checkable
 
-from engines.types import EngineCounters, EngineHealth, EngineInfo, GenerateRequest, Message, TokenChunk, WeightUpdate
+from core.types import EngineCounters, EngineHealth, EngineInfo, GenerateRequest, Message, TokenChunk, WeightUpdate
 
 
 @runtime_checkable
@@ -65,7 +65,7 @@ class Engine(Protocol):
     async def health(self) -> EngineHealth: ...
 
     async def update_weights(self, update: WeightUpdate) -> None:
-        """Swap in new weights; raise ``engines.errors.Unimplemented`` if impossible."""
+        """Swap in new weights; raise ``core.errors.Unimplemented`` if impossible."""
 
     async def release(self, episode_id: str) -> None:
         """Forget an ended episode's state (KV); a no-op for stateless engines."""

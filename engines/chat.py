@@ -13,9 +13,9 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engines.errors import InvalidArgument
-from engines.toolcall import TOOL_CALL_BEGIN, TOOL_CALL_END
-from engines.types import Message
+from core.errors import InvalidArgument
+from core.toolcall import TOOL_CALL_BEGIN, TOOL_CALL_END
+from core.types import Message
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

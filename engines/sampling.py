@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from engines.types import Origin, SamplingParams
+from core.types import Origin, SamplingParams
 
 FloatArray = npt.NDArray[np.float64]
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from engines.errors import InvalidArgument, Unimplemented
-from engines.types import Capability, EngineInfo, check_token_ids
+from core.errors import InvalidArgument, Unimplemented
+from core.types import Capability, EngineInfo, check_token_ids
 
 if TYPE_CHECKING:
     import numpy as np

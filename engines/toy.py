@@ -22,9 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engines.config import ToyConfig
-from engines.sampling import raw_logprob, sample, unfiltered, verify
-from engines.types import (
+from core.types import (
     Capability,
     Drafter,
     EngineCounters,
@@ -39,6 +37,8 @@ from engines.types import (
     Usage,
     WeightUpdate,
 )
+from engines.config import ToyConfig
+from engines.sampling import raw_logprob, sample, unfiltered, verify
 
 SPECIALS = ("<pad>", "<bos>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<unk>")
 PAD, BOS, END, SYSTEM, USER, ASSISTANT, TOOL, UNK = range(len(SPECIALS))

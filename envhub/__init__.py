@@ -20,7 +20,8 @@ Layout::
 Importing the package imports neither Playwright, psycopg nor Starlette.
 """
 
-from engines.toolcall import parse_tool_calls
+from core.grammar import ToolGrammar
+from core.toolcall import parse_tool_calls
 from envhub.base import Environment, Task, ToolEnvironment
 from envhub.config import EnvHubConfig
 from envhub.graders import (
@@ -36,7 +37,7 @@ from envhub.graders import (
     pareto_fronts,
     register_grader,
 )
-from envhub.grammar import ToolGrammar, grammar_for
+from envhub.grammar import grammar_for
 from envhub.loop import LoopDecision, ToolLoop
 from envhub.registry import make_env, names, register
 from envhub.types import EnvState, FinalAnswer, ResetResult, StepResult, ToolCall, ToolResult, ToolSpec

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from engines.errors import FailedPrecondition, InvalidArgument, ToolError
-from engines.types import Message
+from core.errors import FailedPrecondition, InvalidArgument, ToolError
+from core.types import Message
 from envhub.graders import EXACT, Answer, Grader
 from envhub.rewards import RewardContext, Shaping, default_shaping, extract_answer
 from envhub.types import (
@@ -95,7 +95,7 @@ class ToolEnvironment:
     Subclasses set ``name``, ``system_prompt``, ``tasks`` and register tools with
     ``add_tool``; the final answer is graded by ``grader`` (an answer grader, default ``exact``;
     or override ``grade(task, answer) -> float in [0, 1]``) and shaped by ``rubric``. Code its tools
-    run goes through the sandbox under ``sandbox_policy`` (a shipped policy's name, ``envhub.policies``).
+    run goes through the sandbox under ``sandbox_policy`` (a shipped policy's name, ``sandbox.policies``).
     """
 
     name = "tool-env"

@@ -16,7 +16,7 @@ the group) or ``pareto`` (1.0 for the non-dominated front down to 0.0 for the la
 grader, so rubrics nest and register like any other.
 
 Every grader declares the sandbox policy its code runs under: a ``sandbox_policy`` attribute naming a
-shipped policy (``envhub.policies``) or holding a ``SandboxPolicy``, ``grader`` when absent. The verifier
+shipped policy (``sandbox.policies``) or holding a ``SandboxPolicy``, ``grader`` when absent. The verifier
 signs that policy's digest into each verdict; ``register_grader`` refuses a grader whose policy does not load.
 """
 
@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
-from engines.errors import InvalidArgument
-from envhub.policies import DEFAULT_GRADER_POLICY, SandboxPolicy, policy_digest
+from core.errors import InvalidArgument
+from sandbox.policies import DEFAULT_GRADER_POLICY, SandboxPolicy, policy_digest
 
 S = TypeVar("S")
 S_contra = TypeVar("S_contra", contravariant=True)

@@ -3,7 +3,7 @@
 The bridge calls ``ToolLoop.on_turn(text)`` after each sampled turn of an episode that has
 an environment attached:
 
-- the text holds one or more tool-call blocks (``engines.toolcall``: the generic format and
+- the text holds one or more tool-call blocks (``core.toolcall``: the generic format and
   SmolLM2's, whose payload is a JSON list of calls) -> each call is executed in the
   environment, the ``tool`` messages are returned with ``should_continue=True``; the bridge
   renders them as env tokens (loss mask 0) and samples the next turn;
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.toolcall import parse_tool_calls, strip_end_markers, strip_tool_calls
-from engines.types import Message
+from core.grammar import ToolGrammar
+from core.toolcall import parse_tool_calls, strip_end_markers, strip_tool_calls
+from core.types import Message
 from envhub.base import Environment
 from envhub.config import EnvHubConfig, LoopConfig
-from envhub.grammar import ToolGrammar, grammar_for
+from envhub.grammar import grammar_for
 from envhub.types import FinalAnswer, ResetResult
 
 

@@ -35,8 +35,8 @@ from openenv.core.env_server.types import Observation as OpenEnvObservation
 from openenv.core.env_server.types import State as OpenEnvState
 from pydantic import Field
 
-from engines.errors import FailedPrecondition, InvalidArgument, PrimeRLError, ToolError
-from engines.types import Message
+from core.errors import FailedPrecondition, InvalidArgument, PrimeRLError, ToolError
+from core.types import Message
 from envhub.base import Environment
 from envhub.types import JSON, Action, EnvState, FinalAnswer, ResetResult, StepResult, ToolCall, ToolSpec
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from engines.errors import InvalidArgument
+from core.errors import InvalidArgument
 from envhub.base import Environment
 from envhub.config import EnvHubConfig
 

@@ -3,7 +3,7 @@
 Invariants:
 - A tool is described by a JSON schema (``ToolSpec.parameters``, a JSON-compatible mapping);
   that schema is the single source for prompts, validation and the speculation grammar.
-- Observations are chat messages (``engines.types.Message``; role ``tool`` for tool results),
+- Observations are chat messages (``core.types.Message``; role ``tool`` for tool results),
   so the bridge renders them with the engine's own chat template and appends them as env
   tokens (loss mask 0).
 - Rewards are floats; ready environments grade in [0, 1].
@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.toolcall import ToolCall  # the tool-call format's own type; re-exported here
-from engines.types import Message
+from core.toolcall import ToolCall  # the tool-call format's own type; re-exported here
+from core.types import Message
 
 # JSON values as they come out of ``json.loads``.
 JSON = Any

@@ -1,6 +1,6 @@
 """``primerl rl``: single-node RL (a bridge child on the embedded engine, the orchestrator and the trainer).
 
-Configuration is prime-rl's layering (``engines.layered_config``): ``primerl rl @ examples/grpo.toml
+Configuration is prime-rl's layering (``core.layered_config``): ``primerl rl @ examples/grpo.toml
 --max-steps 6 --ckpt --ckpt.interval 3``, ``PRIMERL_MAX_STEPS=6``, ``--dry-run`` prints the resolved TOML.
 The orchestrator (``RolloutManager`` over the bridge) and the trainer (``BackpropModule``) run in this
 process, the bridge as a child (``bridge.target`` names a running one instead). ``primerl trainer`` and
@@ -219,7 +219,7 @@ def run_command(command: str, argv: list[str]) -> int:
     """``primerl rl | trainer | orchestrator`` with layered config; exits 2 on a bad config."""
     import signal
 
-    from engines.layered_config import run_cli
+    from core.layered_config import run_cli
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind like Ctrl-C: the bridge child is stopped
     try:

@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.errors import FailedPrecondition
-from engines.types import Message
+from core.errors import FailedPrecondition
+from core.types import Message
 from envhub import EnvState, FinalAnswer, ResetResult, StepResult, ToolCall, ToolResult, ToolSpec
 
 

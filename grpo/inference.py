@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from core.types import Message
 from engines.chat import HFTokenizer
 from engines.scoring import score_forward
-from engines.types import Message
 from envhub import EnvHubConfig, Environment, ToolLoop
 from rl_client import AsyncBridgeClient, BridgeClient, Trajectory
 

@@ -52,7 +52,7 @@ def group_forward(
     """
     from transformers.cache_utils import DynamicCache
 
-    from engines.kvcache import forward_with_cache, output_cache
+    from engines.embedded.kvcache import forward_with_cache, output_cache
 
     g = len(completions)
     prompt = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]

@@ -6,7 +6,7 @@ one reward system (``envhub.Rubric.weighted``: a weighted mean, then per group `
 ``group_relative`` or ``pareto``), the same that shapes the environments' rewards; tool results are
 ``envhub.ToolResult``. Per-turn rewards come from ``turn_rewards``: the tool-trace score of each turn.
 
-Tool calls are parsed by the format's one parser (``engines.toolcall.parse_tool_calls``: ``<tool_call>`` blocks
+Tool calls are parsed by the format's one parser (``core.toolcall.parse_tool_calls``: ``<tool_call>`` blocks
 whose payload is ``{"name", "arguments"}`` or a JSON list of those; an unterminated block is parsed as far
 as it goes), so training rewards read a turn exactly as the environment that ran it did. Arguments are
 validated against the tool's JSON schema (``jsonschema``).
@@ -22,8 +22,8 @@ from typing import Any
 
 import jsonschema
 
-from engines.toolcall import TOOL_CALL_BEGIN, ToolCall, strip_end_markers
-from engines.toolcall import parse_tool_calls as _parse_format
+from core.toolcall import TOOL_CALL_BEGIN, ToolCall, strip_end_markers
+from core.toolcall import parse_tool_calls as _parse_format
 from envhub import ToolResult
 
 _NUMBER = r"-?\d+(?:\.\d+)?"

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engines.toolcall import format_call
-from engines.types import Message
+from core.toolcall import format_call
+from core.types import Message
 from envhub import Mode, Rubric, ToolResult
 from grpo.environments import BaseEnvironment, State
 from grpo.rater import (

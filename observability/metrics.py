@@ -36,8 +36,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from core.types import EngineInfo, Usage
 from engines.base import Engine
-from engines.types import EngineInfo, Usage
 
 log = logging.getLogger("primerl.metrics")
 

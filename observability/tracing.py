@@ -22,8 +22,8 @@ import time
 from collections.abc import AsyncGenerator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from core.types import EngineCounters, EngineHealth, EngineInfo, GenerateRequest, TokenChunk, WeightUpdate
 from engines.base import Engine, Tokenizer
-from engines.types import EngineCounters, EngineHealth, EngineInfo, GenerateRequest, TokenChunk, WeightUpdate
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

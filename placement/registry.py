@@ -37,7 +37,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.errors import EngineUnavailable, FailedPrecondition, InvalidArgument, NotFound
+from core.errors import EngineUnavailable, FailedPrecondition, InvalidArgument, NotFound
 
 T = TypeVar("T")
 ReplicaState = Literal["active", "draining"]

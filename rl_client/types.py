@@ -10,13 +10,13 @@ import numpy as np
 import numpy.typing as npt
 
 # ``Started`` (start_episode's result) and ``EnvStatus`` (a Step's tool-loop state) are the bridge's own result
-# types, shared with the server (engines.types) and re-exported here.
-from engines.types import EnvStatus as EnvStatus
-from engines.types import SamplingOverrides
-from engines.types import Started as Started
+# types, shared with the server (core.types) and re-exported here.
+from core.types import EnvStatus as EnvStatus
+from core.types import SamplingOverrides
+from core.types import Started as Started
 
 # Sampling parameters a call sets, e.g. ``Sampling(temperature=0.7, max_tokens=64)``; the rest inherit
-# (turn <- episode <- server defaults). The fields are those of ``engines.types.SamplingParams``, the one
+# (turn <- episode <- server defaults). The fields are those of ``core.types.SamplingParams``, the one
 # sampling type from this client to the engine (an unknown name is a TypeError listing the fields).
 Sampling = SamplingOverrides
 FinishReason = Literal["stop", "length", "abort", "unspecified"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engines.types import EngineInfo
+from core.types import EngineInfo
 from observability.metrics import BridgeMetrics
 from server.config import AdmissionConfig
 from server.episodes import Episode

@@ -28,14 +28,14 @@ from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.auth import AuthInterceptor, load_tenants, server_credentials
 from server.bridge import Bridge
 from server.config import Settings
-from server.control_member import join_fleet
-from server.control_router import FleetOwnerInterceptor
 from server.errors import InvalidArgument, PrimeRLError
+from server.fleet.member import join_fleet
+from server.fleet.router import FleetOwnerInterceptor
+from server.fleet.workers import WorkerSlot
 from server.http import HttpFrontDoor, create_app
 from server.persistence import EpisodeJournal
 from server.service import PrimeRLService
 from server.telemetry import TelemetryInterceptor
-from server.workers import WorkerSlot
 
 log = logging.getLogger("primerl.server")
 
@@ -205,7 +205,7 @@ async def create_server(
     """Build the bridge (engines started, port bound, not yet serving).
 
     ``tracing`` defaults to what the ``OTEL_*`` variables ask for (off when they ask nothing). ``worker``:
-    this process is one of ``primerl serve --workers N`` (server.workers): the port is shared, a private
+    this process is one of ``primerl serve --workers N`` (server.fleet.workers): the port is shared, a private
     address is bound too, and calls for another worker's episodes are forwarded to it.
     """
     tracing = tracing if tracing is not None else Tracing.from_env()

@@ -9,7 +9,7 @@ testable without sockets. The bridge composes the parts that each own one concer
 - ``server.turns``: one turn (open, stream the engine into the episode, close);
 - ``server.steps``: an accepted Step (``StepHandle``) and the env tool loop;
 - ``server.weights``: weight updates and the policy version;
-- ``server.control_member`` (optional): the fleet's one policy version per model, adopted before each turn.
+- ``server.fleet.member`` (optional): the fleet's one policy version per model, adopted before each turn.
 
 A Step: ``prepare_step`` validates everything first (nothing is written for a bad request), admits,
 routes and opens the turn, and returns a ``StepHandle``; the caller streams ``handle.updates()`` and
@@ -28,9 +28,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from cache import CacheConfig
+from core.salt import salt_text
+from core.types import Capability, Message, Origin, SamplingParams, check_capabilities, check_token_ids
 from engines.base import Engine
-from engines.salt import salt_text
-from engines.types import Capability, Message, Origin, SamplingParams, check_capabilities, check_token_ids
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
 from placement.routing import Router, RouteRequest, RoutingConfig
@@ -49,7 +49,7 @@ from speculation.config import SpeculationConfig
 from speculation.factory import SpeculationFactory
 
 if TYPE_CHECKING:  # the membership imports the bridge
-    from server.control_member import FleetMember
+    from server.fleet.member import FleetMember
 
 log = logging.getLogger("primerl.server")
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -479,7 +479,7 @@ class Bridge:
     async def update_weights(
         self, checkpoint_path: str, policy_version: int, keep_kv: bool, model: str = "", mode: str = "keep"
     ) -> int:
-        """Load new weights; in a fleet, as one fleet operation (``server.control_member``)."""
+        """Load new weights; in a fleet, as one fleet operation (``server.fleet.member``)."""
         self._check_model(model)
         if self.fleet is None:
             return await self.weights.update(checkpoint_path, policy_version, keep_kv)

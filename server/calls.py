@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engines.types import NO_OVERRIDES, Message, Origin, SamplingOverrides, Started
+from core.types import NO_OVERRIDES, Message, Origin, SamplingOverrides, Started
 from server.envsession import EnvOutcome
 from server.episodes import Episode, Turn
 
-# ``SamplingOverrides`` (the fields a request sets) and ``NO_OVERRIDES`` are engines.types' partial form of
+# ``SamplingOverrides`` (the fields a request sets) and ``NO_OVERRIDES`` are core.types' partial form of
 # ``SamplingParams``, re-exported here for the bridge's calls.
 
 

@@ -9,19 +9,19 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from core.layered_config import run_cli
 from engines.config import EngineType
 from engines.launch import add_engine_parser, run_engine_command
-from engines.layered_config import run_cli
-from envhub.eval.cli import add_eval_parser, run_eval_command
-from envhub.llmserve.cli import add_llmserve_parser, run_llmserve
-from envhub.sandbox_check import add_sandbox_parser, run_sandbox
-from envhub.verifier.cli import add_verifier_parser, run_verifier
+from evals.cli import add_eval_parser, run_eval_command
 from grpo.commands import COMMANDS as RL_COMMANDS
 from grpo.commands import add_rl_parsers, run_rl_command
+from llmserve.cli import add_llmserve_parser, run_llmserve
 from placement.mig.cli import add_placement_parser, run_placement
+from sandbox.check import add_sandbox_parser, run_sandbox
 from server.config import ENV_ALIASES, Settings
-from server.control_cli import add_control_parser, add_replicas_parser, run_control, run_replicas
+from server.fleet.cli import add_control_parser, add_replicas_parser, run_control, run_replicas
 from server.requestid import RequestIdFilter
+from verifier.cli import add_verifier_parser, run_verifier
 
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the gRPC bridge",
-        add_help=False,  # --help also lists every layered setting (engines.layered_config)
+        add_help=False,  # --help also lists every layered setting (core.layered_config)
         allow_abbrev=False,  # --engine.type and friends go to the layered config, never to --engine
         description="Every setting is also a flag (--section.key VALUE), config files load with @ FILE.toml "
         "(several merge left to right), PRIMERL_SECTION__KEY variables are read; precedence: flags > files > "
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         from server.errors import PrimeRLError
 
         try:
-            if settings.server.workers > 1:  # the parent of N bridge processes (server.workers)
-                from server.workers import run_workers
+            if settings.server.workers > 1:  # the parent of N bridge processes (server.fleet.workers)
+                from server.fleet.workers import run_workers
 
                 return run_workers(settings, args.log_level)
             asyncio.run(serve(settings))

@@ -1,6 +1,6 @@
 """The one settings root of the bridge.
 
-Layered as every ``primerl`` entry point (engines.layered_config), highest first: CLI flags
+Layered as every ``primerl`` entry point (core.layered_config), highest first: CLI flags
 (``--engine.type toy``, and the short ones of ``primerl serve``: ``--engine``, ``--port`` ...) >
 config files (``@ a.toml @ b.toml`` left to right; ``--config FILE`` is ``@ FILE``) > environment
 (``PRIMERL_*``, ``__`` nests: ``PRIMERL_ENGINE__TYPE=toy``; aliases ``PRIMERL_ENGINE`` and
@@ -18,9 +18,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cache.config import CacheConfig
+from core.layered_config import load_config
+from core.types import SamplingParams
 from engines.config import EngineConfig
-from engines.layered_config import load_config
-from engines.types import SamplingParams
 from envhub.config import EnvHubConfig
 from placement.registry import FleetConfig
 from placement.routing import RoutingConfig
@@ -54,7 +54,7 @@ class ServerConfig(BaseModel):
         ge=1,
         le=64,
         description="Bridge processes sharing the port (SO_REUSEPORT), each with its own event loop; an episode's "
-        "calls are forwarded to the worker that started it (server.workers). 1 = this process serves.",
+        "calls are forwarded to the worker that started it (server.fleet.workers). 1 = this process serves.",
     )
 
 
@@ -182,7 +182,7 @@ def load_settings(
 
     ``config_file`` is one TOML file or several (merged left to right); ``argv`` holds layered-config
     tokens (``@ FILE``, ``--section.key VALUE``); ``env`` replaces ``os.environ``; ``overrides`` are
-    nested dicts by section, e.g. ``engine={"type": "toy"}``. Raises engines.layered_config.ConfigError
+    nested dicts by section, e.g. ``engine={"type": "toy"}``. Raises core.layered_config.ConfigError
     (a ValueError) naming the bad key or value.
     """
     files = [] if config_file is None else [config_file] if isinstance(config_file, (str, Path)) else config_file

@@ -22,7 +22,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from engines.types import EnvStatus, Message
+from core.types import EnvStatus, Message
 from envhub.config import EnvHubConfig
 from envhub.loop import EnvEpisode, LoopDecision, ToolLoop, start_env_episode
 from envhub.registry import names as env_names

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from engines.types import FinishReason, Origin, SamplingParams, Usage
+from core.types import FinishReason, Origin, SamplingParams, Usage
 from server.errors import NotFound, PermissionDenied, ResourceExhausted
 
 NAN = math.nan
@@ -118,7 +118,7 @@ class EpisodeStore:
     def __iter__(self) -> Iterator[Episode]:
         return iter(list(self._episodes.values()))
 
-    id_prefix = "ep-"  # a bridge worker's store sets its own (server.workers: ids name their owner)
+    id_prefix = "ep-"  # a bridge worker's store sets its own (server.fleet.workers: ids name their owner)
 
     def new_id(self) -> str:
         return self.id_prefix + secrets.token_hex(16)

@@ -1,17 +1,17 @@
 """The map from the bridge's errors to gRPC status codes; the one place where it lives.
 
-The error tree itself is ``engines.errors`` (the lowest layer, so that every library package
+The error tree itself is ``core.errors`` (the lowest layer, so that every library package
 can raise it without importing ``server``). Each class there names its status as a string;
 ``status_code`` turns that string into a ``grpc.StatusCode``. Anything that is not a
 ``PrimeRLError`` is a bug and maps to INTERNAL. The classes are re-exported here for the
-server's own modules; library packages import them from ``engines.errors``.
+server's own modules; library packages import them from ``core.errors``.
 """
 
 from __future__ import annotations
 
 import grpc
 
-from engines.errors import (
+from core.errors import (
     Aborted,
     DeadlineExceeded,
     EngineError,

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.types import FinishReason, SamplingParams, Usage
+from core.types import FinishReason, SamplingParams, Usage
 from server.episodes import Episode, Turn
 from server.errors import EngineUnavailable
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from engines.types import Message
+from core.types import Message
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.auth import current_tenant

@@ -23,8 +23,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+from core.types import FinishReason, Origin, SamplingParams
 from engines.base import Tokenizer
-from engines.types import FinishReason, Origin, SamplingParams
 from server.calls import StepUpdate
 from server.envsession import EnvSession
 from server.episodes import NAN, Episode, Turn

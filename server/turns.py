@@ -18,9 +18,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from core.salt import salt_text
+from core.types import Capability, FinishReason, GenerateRequest, Origin, SamplingParams, TokenChunk, Usage
 from engines.base import Engine
-from engines.salt import salt_text
-from engines.types import Capability, FinishReason, GenerateRequest, Origin, SamplingParams, TokenChunk, Usage
 from observability.metrics import BridgeMetrics
 from server.calls import StepUpdate
 from server.episodes import Episode, Turn

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
+from core.types import WeightUpdate
 from engines.base import Engine
-from engines.types import WeightUpdate
 from server.errors import EngineError, InvalidArgument, Unimplemented
 
 MAX_POLICY_VERSION = 2**63 - 1
@@ -25,7 +25,7 @@ class Weights:
     def __init__(self, engines: Sequence[Engine], mark: Callable[[int, bool, str], None]) -> None:
         self.engines = engines
         self._mark = mark  # take a replica out of rotation (the router)
-        self.removed: set[int] = set()  # replicas removed from the fleet (server.control_member): never updated
+        self.removed: set[int] = set()  # replicas removed from the fleet (server.fleet.member): never updated
         self._lock = asyncio.Lock()
 
     @property

@@ -30,7 +30,7 @@ from speculation.grammar import CompiledToolGrammar
 
 
 class GrammarConstraint:
-    """``engines.types.Constraint`` over one generation request (state is per request)."""
+    """``core.types.Constraint`` over one generation request (state is per request)."""
 
     def __init__(self, compiled: CompiledToolGrammar) -> None:
         self.compiled = compiled

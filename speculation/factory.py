@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from envhub import ToolGrammar
+from core.grammar import ToolGrammar
 from speculation.config import SpeculationConfig
 from speculation.constraint import GrammarConstraint
 from speculation.drafters import SpeculativeDrafter

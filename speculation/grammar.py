@@ -1,12 +1,12 @@
 """Tool-call grammars compiled with llguidance (token masks, fast-forward tokens, prefix checks).
 
-A ``ToolGrammar`` (``envhub.ToolGrammar``: the env's tool schemas) becomes one Lark grammar for the
+A ``ToolGrammar`` (``core.grammar.ToolGrammar``: the env's tool schemas) becomes one Lark grammar for the
 model's tool-call format: optional whitespace, ``<tool_call>``, one call object or a JSON list of
 them (SmolLM2), optional whitespace, ``</tool_call>``. The call object is llguidance's ``%json``
 of ``ToolGrammar.call_schema()`` with fixed separators (``json.dumps`` style, the way envhub
-renders calls: ``engines.toolcall.format_call``), so keys, ``name`` constants and punctuation are forced bytes.
+renders calls: ``core.toolcall.format_call``), so keys, ``name`` constants and punctuation are forced bytes.
 
-Invariants: a token sequence the matcher accepts decodes to a block ``engines.toolcall`` parses as
+Invariants: a token sequence the matcher accepts decodes to a block ``core.toolcall`` parses as
 calls of the env's tools; forced tokens come from ``LLMatcher.compute_ff_tokens``, which holds
 back token boundaries a valid continuation could merge across (canonical tokenisation).
 """
@@ -20,7 +20,7 @@ from typing import Any
 import llguidance
 import llguidance.hf
 
-from envhub import ToolGrammar
+from core.grammar import ToolGrammar
 
 _TOKENIZERS: dict[int, tuple[Any, llguidance.LLTokenizer]] = {}  # keeps the HF tokenizer alive: ids stay unique
 _LOCK = threading.Lock()

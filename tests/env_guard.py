@@ -20,16 +20,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # The packages pyproject.toml's [tool.setuptools.packages.find] installs.
 PACKAGES = (
-    "server",
+    "core",
     "engines",
-    "rl_client",
     "cache",
     "placement",
     "speculation",
-    "grpo",
+    "sandbox",
     "envhub",
     "observability",
+    "rl_client",
     "proto",
+    "grpo",
+    "evals",
+    "verifier",
+    "llmserve",
+    "server",
 )
 _wrong = pytest.StashKey[list[str]]()
 _PROBE = """

@@ -17,7 +17,7 @@ import os
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-from engines.errors import ToolError
+from core.errors import ToolError
 from envhub.config import BrowserConfig
 
 

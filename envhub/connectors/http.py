@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from engines.errors import ToolError
+from core.errors import ToolError
 from envhub.config import HttpConfig
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

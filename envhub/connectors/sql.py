@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engines.errors import ToolError
+from core.errors import ToolError
 from envhub.config import SqlConfig
 
 _READ_PRAGMAS = frozenset({"table_info", "table_xinfo", "table_list", "index_list", "index_info", "foreign_key_list"})

@@ -13,7 +13,7 @@ import importlib.resources
 import json
 from pathlib import Path
 
-from engines.errors import FailedPrecondition
+from core.errors import FailedPrecondition
 from envhub.base import Task
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engines.toolcall import format_call
+from core.toolcall import format_call
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig
-from envhub.connectors.sandbox import CodeSandbox
 from envhub.envs._data import load_tasks
 from envhub.rewards import Shaping
 from envhub.types import JSON, ToolResult, string_tool
+from sandbox.runner import CodeSandbox
 
 PYTHON_TOOL = string_tool(
     "run_python",
@@ -27,7 +27,7 @@ PYTHON_TOOL = string_tool(
 
 class CodeMathEnv(ToolEnvironment):
     name = "code-math"
-    sandbox_policy = "default"  # run_python's sandbox (envhub/policies/default.yaml)
+    sandbox_policy = "default"  # run_python's sandbox (sandbox/policies/default.yaml)
     system_prompt = (
         "Solve the math question. You may run Python with the run_python tool: write "
         f"{format_call('run_python', {'code': 'print(1 + 1)'})}. "

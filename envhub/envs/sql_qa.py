@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engines.toolcall import format_call
+from core.toolcall import format_call
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig
 from envhub.connectors.sql import SqliteReadOnly

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from html.parser import HTMLParser
 from urllib.parse import urljoin
 
-from engines.toolcall import format_call
+from core.toolcall import format_call
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig
 from envhub.connectors.http import SafeHttpClient

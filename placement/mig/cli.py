@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from engines.errors import PrimeRLError
+from core.errors import PrimeRLError
 
 
 def add_placement_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,7 +1,7 @@
 """Fleet and model files (YAML/JSON) as pydantic models, and the placer's tunables.
 
 Invariant: a file either loads into a fully validated object or raises exactly one
-``engines.errors.InvalidArgument`` whose message names the file, the field path
+``core.errors.InvalidArgument`` whose message names the file, the field path
 (``nodes[1].gpu``) and the offending value. Validation is complete at load time: GPU types
 exist in the catalog, MIG layouts are valid geometries of their GPU, model configs resolve
 and parse, so the solver never meets a bad input.
@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engines.errors import InvalidArgument
+from core.errors import InvalidArgument
 from placement.mig.catalog import GPU_TYPES, gpu_type, place_layout
 from placement.mig.memory import DTYPE_BYTES, ModelArch, load_config_json
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from engines.errors import InvalidArgument
+from core.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from engines.errors import FailedPrecondition
+from core.errors import FailedPrecondition
 from placement.mig.catalog import GPU_TYPES, gpu_type, place_layout
 from placement.mig.config import FleetFile, NodeSpec, load_fleet
 

@@ -27,7 +27,7 @@ class RouteRequest:
     episode_id: str
     group_id: str = ""
     token_ids: Sequence[int] = ()
-    salt: str = ""  # str(engines.salt.CacheSalt)
+    salt: str = ""  # str(core.salt.CacheSalt)
     est_tokens: int = 0  # in-flight tokens the turn adds (prompt + max new tokens)
     hashes: Sequence[int] | None = None
     prompt_tokens: int | None = None  # defaults to len(token_ids)

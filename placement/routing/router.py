@@ -15,7 +15,7 @@ reason ``fallback_sticky``. Pins live ``cache.affinity_ttl_s``. With ``routing.p
 placement plan's per-replica KV capacity sizes the index.
 
 Invariants: hashes are over the exact ids sent to the engine and salted per tenant, model and policy
-version (``engines.salt.CacheSalt``), so after a weight update no turn is routed on KV of older
+version (``core.salt.CacheSalt``), so after a weight update no turn is routed on KV of older
 weights; an episode's chain is only ever extended (histories are append-only), so a turn hashes its
 new blocks only.
 """
@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from cache import CacheConfig, Fingerprinter, PrefixIndex, make_index
+from core.errors import InvalidArgument, PrimeRLError
+from core.salt import CacheSalt
+from core.types import FinishReason, Usage
 from engines.base import Engine
-from engines.errors import InvalidArgument, PrimeRLError
-from engines.salt import CacheSalt
-from engines.types import FinishReason, Usage
 from placement.routing.base import Decision, RouteRequest
 from placement.routing.config import RoutingConfig
 from placement.routing.factory import make_policy

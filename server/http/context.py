@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engines.errors import PermissionDenied, Unauthenticated
+from core.errors import PermissionDenied, Unauthenticated
 from observability.metrics import BridgeMetrics
 from server.auth import bearer_token, tenant_for
 from server.bridge import Bridge

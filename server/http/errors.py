@@ -1,6 +1,6 @@
 """The map from the bridge's errors to HTTP status and OpenAI's error JSON; the one place where it lives.
 
-The error tree is ``engines.errors`` (each class names its gRPC code); this module turns that code into
+The error tree is ``core.errors`` (each class names its gRPC code); this module turns that code into
 an HTTP status and the body OpenAI clients parse::
 
     {"error": {"message": str, "type": str, "param": str | null, "code": int}}
@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from engines.errors import InvalidArgument, PrimeRLError
+from core.errors import InvalidArgument, PrimeRLError
 
 log = logging.getLogger("primerl.server.http")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from engines.types import SamplingOverrides
+from core.types import SamplingOverrides
 from server.http.errors import BadParam, error_for_validation
 from server.http.models import SEED, Sampling, _Open
 

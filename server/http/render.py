@@ -1,7 +1,7 @@
 """OpenAI chat shapes <-> the bridge's messages, tools and tokens.
 
-- ``engine_messages``: OpenAI messages as ``engines.types.Message`` (text parts joined; an assistant
-  message's tool calls written back in the ``<tool_call>`` format of ``engines.toolcall``, so a
+- ``engine_messages``: OpenAI messages as ``core.types.Message`` (text parts joined; an assistant
+  message's tool calls written back in the ``<tool_call>`` format of ``core.toolcall``, so a
   re-rendered history holds what the model wrote);
 - ``canonical``: the form two histories are compared in (append-only check): role, text, tool calls by
   name and parsed arguments, so a client that re-serialises JSON arguments still extends its session;
@@ -17,8 +17,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from engines.base import Tokenizer
-from engines.toolcall import (
+from core.toolcall import (
     END_MARKERS,
     TOOL_CALL_BEGIN,
     format_call,
@@ -26,7 +25,8 @@ from engines.toolcall import (
     strip_end_markers,
     strip_tool_calls,
 )
-from engines.types import Message
+from core.types import Message
+from engines.base import Tokenizer
 from server.http.errors import BadParam
 from server.http.models import ChatMessage, Tool
 

@@ -16,8 +16,8 @@ import logging
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engines.errors import NotFound
-from engines.types import SamplingOverrides
+from core.errors import NotFound
+from core.types import SamplingOverrides
 from server.http.context import Caller, FrontDoor
 from server.http.errors import BadParam
 from server.http.models import EndBody, PauseBody, SessionBody, UpdateWeightsBody

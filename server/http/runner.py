@@ -30,8 +30,8 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
-from engines.errors import PrimeRLError
-from engines.types import NO_OVERRIDES, FinishReason, SamplingOverrides
+from core.errors import PrimeRLError
+from core.types import NO_OVERRIDES, FinishReason, SamplingOverrides
 from observability.metrics import BridgeMetrics
 from server.bridge import Bridge
 from server.calls import StartRequest, StepRequest

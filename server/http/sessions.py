@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.errors import EpisodeBusy, InvalidArgument, NotFound, PrimeRLError
-from engines.types import NO_OVERRIDES, Origin, SamplingOverrides
+from core.errors import EpisodeBusy, InvalidArgument, NotFound, PrimeRLError
+from core.types import NO_OVERRIDES, Origin, SamplingOverrides
 from server.auth import hash_token
 from server.bridge import Bridge
 from server.calls import EndRequest
@@ -62,7 +62,7 @@ def trajectory_json(
     """An episode's trajectory as JSON: the content of gRPC ``EndEpisode``'s ``Trajectory``.
 
     ``logprobs`` is null where the policy did not sample; ``origins`` are the lower-case names of
-    ``engines.types.Origin``; ``loss_mask`` is 1 exactly for policy-sampled tokens.
+    ``core.types.Origin``; ``loss_mask`` is 1 exactly for policy-sampled tokens.
     """
     out: dict[str, Any] = {
         "episode_id": ep.id,

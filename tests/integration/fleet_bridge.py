@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def adapters(kind: str, urls: list[str]) -> list[Any]:
+    from core.types import ModelFacts
     from engines.config import SglangConfig, ToyConfig, TrtllmConfig
-    from engines.sglang import SglangEngine
+    from engines.http.sglang import SglangEngine
+    from engines.http.trtllm import TrtllmEngine
     from engines.toy import ToyEngine
-    from engines.trtllm import TrtllmEngine
-    from engines.types import ModelFacts
 
     toy = ToyEngine(ToyConfig())  # what the stand-ins serve (same seed): facts and tokenizer
     facts = ModelFacts("toy", toy.info.vocab_size, toy.info.eos_token_ids, toy.info.max_model_len)

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engines.errors import InvalidArgument
+from core.errors import InvalidArgument
 from rl_client import AsyncBridgeClient
 from rl_client.errors import PermissionDeniedError, UnauthenticatedError, UnavailableError
 from server.auth import hash_token

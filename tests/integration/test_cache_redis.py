@@ -13,7 +13,7 @@ import pytest
 from cache import CacheConfig, Fingerprinter, MemoryIndex
 from cache.loadboard import RedisLoadBoard
 from cache.redis_index import RedisIndex
-from engines.salt import CacheSalt
+from core.salt import CacheSalt
 from placement.routing import CacheAware, RouteRequest
 from tests.integration.redis_proc import PrivateRedis
 
@@ -71,7 +71,7 @@ async def test_two_bridges_share_entries_and_pins(two_indexes: tuple[RedisIndex,
 async def test_entries_written_by_another_process_are_seen(redis_server: PrivateRedis) -> None:
     code = (
         "import asyncio, sys\n"
-        "from cache import CacheConfig, Fingerprinter\nfrom engines.salt import CacheSalt\n"
+        "from cache import CacheConfig, Fingerprinter\nfrom core.salt import CacheSalt\n"
         "from cache.redis_index import RedisIndex\n"
         "async def main():\n"
         "    idx = RedisIndex(sys.argv[1], CacheConfig(block_size=4, write_timeout_ms=2000))\n"

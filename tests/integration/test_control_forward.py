@@ -19,7 +19,7 @@ import pytest
 
 from rl_client import AsyncFleetClient
 from rl_client.errors import NotFoundError
-from server.control import create_control_server
+from server.fleet.service import create_control_server
 from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env, standins
 from tests.integration.redis_proc import PrivateRedis
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.errors import InvalidArgument
+from core.errors import InvalidArgument
 from placement.registry import FleetConfig, FleetStore, ReplicaRecord
 from rl_client.errors import UnavailableError
 from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env, standins

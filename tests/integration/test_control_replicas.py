@@ -1,6 +1,6 @@
 """Engine replicas added, drained and removed at run time through the control plane (issue 21, acceptance 4).
 
-A real control plane (``server.control``, gRPC on a free port) and two fleet bridge processes on one private
+A real control plane (``server.fleet.service``, gRPC on a free port) and two fleet bridge processes on one private
 Redis start over one stand-in engine process (r0). ``primerl replicas add`` (the CLI, as an operator runs it)
 registers r1: both bridges pick it up within a few heartbeats and new episodes land on it. Draining r0 lets its
 streaming turn finish (finish reason length) while new episodes go to r1 only. Removing r1 in the middle of a
@@ -24,7 +24,7 @@ from proto.primerl.v1 import control_pb2 as cpb
 from proto.primerl.v1 import control_pb2_grpc as cpb_grpc
 from proto.primerl.v1 import primerl_pb2 as pb
 from rl_client import AsyncBridgeClient
-from server.control import ControlServer, create_control_server
+from server.fleet.service import ControlServer, create_control_server
 from tests.integration.fleet_bridge import ROOT, FleetBridgeProcess, bridge_pair, fleet_env, standins
 from tests.integration.redis_proc import PrivateRedis
 from tests.standins.serve import StandinProcess

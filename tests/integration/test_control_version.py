@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from cache.config import CacheConfig
 from cache.fingerprint import Fingerprinter
 from cache.redis_index import RedisIndex
-from engines.salt import salt_text
+from core.salt import salt_text
 from rl_client.errors import BridgeError
 from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env, standins
 from tests.integration.redis_proc import PrivateRedis

@@ -67,7 +67,7 @@ def _engine(server: BridgeServer) -> Any:
 
 
 def _chat(server: BridgeServer, text: str) -> list[int]:
-    from engines.types import Message
+    from core.types import Message
 
     return _engine(server).tokenizer.render_prompt([Message("user", text)])
 
@@ -161,7 +161,7 @@ async def test_five_turns_prefill_only_new_tokens_and_eviction_recomputes_identi
 
 async def test_kv_of_a_diverging_history_is_cropped_not_reused(embedded: Bridge, reference: Any) -> None:
     """An engine request whose ids diverge from the episode's cached ids reuses only the common prefix."""
-    from engines.types import GenerateRequest, SamplingParams
+    from core.types import GenerateRequest, SamplingParams
 
     server, _ = embedded
     engine = _engine(server)

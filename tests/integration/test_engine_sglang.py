@@ -16,17 +16,14 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engines.config import SglangConfig, ToyConfig
-from engines.errors import (
+from core.errors import (
     DeadlineExceeded,
     EngineProtocolError,
     EngineUnavailable,
     InvalidArgument,
     TokenOutOfVocabulary,
 )
-from engines.sglang import SglangEngine
-from engines.toy import ToyEngine
-from engines.types import (
+from core.types import (
     Capability,
     FinishReason,
     GenerateRequest,
@@ -35,6 +32,9 @@ from engines.types import (
     TokenChunk,
     WeightUpdate,
 )
+from engines.config import SglangConfig, ToyConfig
+from engines.http.sglang import SglangEngine
+from engines.toy import ToyEngine
 from rl_client.errors import AbortedError, DeadlineExceededError, UnavailableError
 from tests.integration.engine_script import bridge_over, end_when_idle, run_episode_script
 from tests.standins._common import StandinServer
@@ -373,7 +373,7 @@ def test_logprob_encodings_are_normalised() -> None:
 @pytest.fixture(scope="module")
 async def smollm2() -> AsyncIterator[object]:
     from engines.config import EmbeddedConfig
-    from engines.embedded import EmbeddedEngine
+    from engines.embedded.engine import EmbeddedEngine
 
     engine = await EmbeddedEngine.start(EmbeddedConfig(max_model_len=2048), model="smollm2")
     yield engine
@@ -394,7 +394,7 @@ async def test_same_script_on_smollm2_embedded_and_both_standins(smollm2, kind: 
 
     if kind == "embedded":  # its own instance: the bridge closes its engines when it stops
         from engines.config import EmbeddedConfig
-        from engines.embedded import EmbeddedEngine
+        from engines.embedded.engine import EmbeddedEngine
 
         embedded = await EmbeddedEngine.start(EmbeddedConfig(max_model_len=2048), model="smollm2")
         async with bridge_over([embedded]) as (_, client):

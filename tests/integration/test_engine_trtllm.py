@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from core.errors import DeadlineExceeded, EngineProtocolError, InvalidArgument, TokenOutOfVocabulary, Unimplemented
+from core.types import FinishReason, GenerateRequest, ModelFacts, SamplingParams, TokenChunk, WeightUpdate
 from engines.config import ToyConfig, TrtllmConfig
-from engines.errors import DeadlineExceeded, EngineProtocolError, InvalidArgument, TokenOutOfVocabulary, Unimplemented
+from engines.http.trtllm import TrtllmEngine
 from engines.toy import ToyEngine
-from engines.trtllm import TrtllmEngine
-from engines.types import FinishReason, GenerateRequest, ModelFacts, SamplingParams, TokenChunk, WeightUpdate
 from rl_client.errors import DeadlineExceededError, UnavailableError, UnimplementedError
 from tests.integration.engine_script import bridge_over, end_when_idle, run_episode_script
 from tests.standins._common import StandinServer

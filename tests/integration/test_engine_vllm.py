@@ -22,11 +22,11 @@ import httpx
 import numpy as np
 import pytest
 
+from core.errors import Aborted, InvalidArgument, TokenOutOfVocabulary
+from core.types import FinishReason, GenerateRequest, Message, Origin, SamplingParams, TokenChunk, WeightUpdate
 from engines import make_engines
 from engines.config import EngineConfig
-from engines.errors import Aborted, InvalidArgument, TokenOutOfVocabulary
-from engines.types import FinishReason, GenerateRequest, Message, Origin, SamplingParams, TokenChunk, WeightUpdate
-from engines.vllm import VllmEngine
+from engines.http.vllm import VllmEngine
 from tests.integration.engine_script import bridge_over, run_episode_script
 
 SYSTEM = (

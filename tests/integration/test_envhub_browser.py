@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from engines.errors import ToolError
+from core.errors import ToolError
 from envhub import EnvHubConfig, make_env
 from envhub.config import BrowserConfig
 from envhub.connectors.browser import BrowserSession, origin_of

@@ -9,7 +9,7 @@ from urllib.parse import quote
 
 import pytest
 
-from engines.errors import ToolError
+from core.errors import ToolError
 from envhub.config import HttpConfig
 from envhub.connectors.http import SafeHttpClient, system_resolver
 from tests.integration.testsite import serve_test_site

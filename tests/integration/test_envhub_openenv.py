@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from engines.errors import FailedPrecondition, InvalidArgument
+from core.errors import FailedPrecondition, InvalidArgument
 from envhub.config import SqlConfig
 from envhub.connectors.sql import SqliteReadOnly
 from envhub.envs._data import BUNDLED_DB, load_tasks

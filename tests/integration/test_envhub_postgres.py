@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from engines.errors import ToolError
+from core.errors import ToolError
 from envhub.config import SqlConfig
 from envhub.connectors.sql import PostgresReadOnly
 from tests.integration.postgres_proc import PrivatePostgres

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from engines.errors import ToolError
-from envhub.config import SandboxConfig
-from envhub.connectors import seccomp
-from envhub.connectors.sandbox import CodeSandbox, default_python
+from core.errors import ToolError
 from envhub.envs._data import load_tasks
 from envhub.envs.code_math import CodeMathEnv
 from envhub.loop import ToolLoop
+from sandbox import seccomp
+from sandbox.config import SandboxConfig
+from sandbox.runner import CodeSandbox, default_python
 
 # A uid no other test uses, so leftover processes of the run are countable (root hubs drop to it).
 TEST_UID = 61_000 + os.getpid() % 1000

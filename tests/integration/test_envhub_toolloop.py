@@ -21,8 +21,8 @@ import pytest
 import pytest_asyncio
 
 import envhub.registry
-from engines.toolcall import strip_end_markers, strip_tool_calls
-from engines.types import Message
+from core.toolcall import strip_end_markers, strip_tool_calls
+from core.types import Message
 from envhub.config import EnvHubConfig
 from envhub.connectors.sql import SqliteReadOnly
 from envhub.envs import sql_qa

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from engines.errors import InvalidArgument
+from core.errors import InvalidArgument
 from engines.toy import TOY_BASE_WEIGHTS
-from envhub.eval.cli import run_eval_command
-from envhub.eval.registry import load_registry, select
-from envhub.eval.runner import Checkpoint
+from evals.cli import run_eval_command
+from evals.registry import load_registry, select
+from evals.runner import Checkpoint
 from server.cli import build_parser, main
 from tests.conftest import StartBridge
 

@@ -14,10 +14,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from core.types import ModelFacts
 from engines.config import SglangConfig, ToyConfig
-from engines.sglang import SglangEngine
+from engines.http.sglang import SglangEngine
 from engines.toy import ToyEngine
-from engines.types import ModelFacts
 from rl_client import AsyncBridgeClient
 from rl_client.errors import UnavailableError
 from server.app import create_server

@@ -23,13 +23,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from core.types import ModelFacts
 from engines.base import Engine
 from engines.config import SglangConfig, ToyConfig, TrtllmConfig
+from engines.http.sglang import SglangEngine
+from engines.http.trtllm import TrtllmEngine
 from engines.launch import free_port
-from engines.sglang import SglangEngine
 from engines.toy import ToyEngine
-from engines.trtllm import TrtllmEngine
-from engines.types import ModelFacts
 from rl_client import AsyncBridgeClient
 from rl_client.errors import BridgeError, UnavailableError
 from tests.integration.engine_script import bridge_over, end_when_idle

@@ -180,7 +180,7 @@ def test_hub_code_math_no_server_error(case: Any, code_hub: Served) -> None:
 
 
 def _llmserve_app() -> Any:
-    from envhub.llmserve.app import build_app
+    from llmserve.app import build_app
 
     return build_app()
 
@@ -211,7 +211,7 @@ def test_llmserve_no_server_error(case: Any, llmserve: Served) -> None:
 
 
 def verifier_openapi() -> dict[str, Any]:
-    from envhub.verifier.service import BatchRequest, ScoreRequest
+    from verifier.service import BatchRequest, ScoreRequest
 
     components: dict[str, Any] = {}
 
@@ -253,8 +253,8 @@ def verifier_error_json(ctx: Any, response: Any, case: Any) -> None:
 
 @pytest.fixture(scope="module")
 def verifier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from envhub.verifier.cli import serve
-    from envhub.verifier.config import VerifierConfig
+    from verifier.cli import serve
+    from verifier.config import VerifierConfig
 
     tmp = tmp_path_factory.mktemp("verifier")
 

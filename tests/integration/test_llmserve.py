@@ -16,11 +16,11 @@ import httpx
 import pytest
 import uvicorn
 
-from envhub.llmserve.agents import HeuristicAgent, RandomAgent
-from envhub.llmserve.app import build_app
-from envhub.llmserve.client import LLMServeEnv
-from envhub.llmserve.models import ServeAction
-from envhub.llmserve.tasks import TASKS
+from llmserve.agents import HeuristicAgent, RandomAgent
+from llmserve.app import build_app
+from llmserve.client import LLMServeEnv
+from llmserve.models import ServeAction
+from llmserve.tasks import TASKS
 
 
 @pytest.fixture(scope="module")

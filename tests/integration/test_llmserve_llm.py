@@ -24,13 +24,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engines.launch import free_port
-from envhub.llmserve.agents import HeuristicAgent
-from envhub.llmserve.app import BASELINE_SEEDS, build_app
-from envhub.llmserve.episode import Episode
-from envhub.llmserve.grader import grade, run_agent
-from envhub.llmserve.llm import MAX_TOKENS, LLMAgent, LLMConfig, LLMEndpointError, LLMStats
-from envhub.llmserve.models import ServeAction, action_fields
-from envhub.llmserve.tasks import TASKS, get_task
+from llmserve.agents import HeuristicAgent
+from llmserve.app import BASELINE_SEEDS, build_app
+from llmserve.episode import Episode
+from llmserve.grader import grade, run_agent
+from llmserve.llm import MAX_TOKENS, LLMAgent, LLMConfig, LLMEndpointError, LLMStats
+from llmserve.models import ServeAction, action_fields
+from llmserve.tasks import TASKS, get_task
 from server.app import BridgeServer
 from server.cli import main
 from tests.conftest import StartBridge

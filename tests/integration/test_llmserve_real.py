@@ -1,6 +1,6 @@
 """LLMServeEnv real mode: a static_workload episode through a real bridge on the embedded SmolLM2 engine.
 
-Each window's requests are real streamed episodes through the bridge (``envhub/llmserve/real.py``); the
+Each window's requests are real streamed episodes through the bridge (``llmserve/real.py``); the
 observations must come from what was measured (latencies, throughput), and the engine must have generated
 exactly the tokens the observations count.
 """
@@ -11,11 +11,11 @@ import asyncio
 
 import pytest
 
-from envhub.llmserve.agents import HeuristicAgent
-from envhub.llmserve.env import LLMServeEnvironment
-from envhub.llmserve.models import ServeAction
-from envhub.llmserve.real import NOT_APPLIED
-from envhub.llmserve.tasks import TASKS
+from llmserve.agents import HeuristicAgent
+from llmserve.env import LLMServeEnvironment
+from llmserve.models import ServeAction
+from llmserve.real import NOT_APPLIED
+from llmserve.tasks import TASKS
 from tests.conftest import StartBridge
 
 pytestmark = pytest.mark.slow

@@ -35,7 +35,7 @@ def web_url() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "ENABLE_WEB_INTERFACE": "true"}
-    cmd = [sys.executable, "-m", "uvicorn", "envhub.llmserve.app:app", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "uvicorn", "llmserve.app:app", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -101,7 +101,7 @@ def test_web_interface_reset_and_step_change_the_shown_observation(web_url: str,
 def test_demo_is_off_with_a_clear_message_without_the_web_interface() -> None:
     from fastapi.testclient import TestClient
 
-    from envhub.llmserve.app import build_app
+    from llmserve.app import build_app
 
     assert os.environ.get("ENABLE_WEB_INTERFACE", "false") == "false"
     resp = TestClient(build_app()).get("/demo", follow_redirects=False)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from core.types import GenerateRequest, TokenChunk, Usage
 from engines.config import ToyConfig
 from engines.toy import ToyEngine
-from engines.types import GenerateRequest, TokenChunk, Usage
 from rl_client import AsyncBridgeClient, BridgeError
 from server.app import BridgeServer, create_server
 from server.config import load_settings

@@ -31,11 +31,11 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from core.errors import EngineUnavailable
+from core.types import EngineCounters, GenerateRequest, TokenChunk
 from engines.config import ToyConfig
-from engines.errors import EngineUnavailable
-from engines.kvcache import KVStore
+from engines.embedded.kvcache import KVStore
 from engines.toy import ToyEngine
-from engines.types import EngineCounters, GenerateRequest, TokenChunk
 from rl_client import AsyncBridgeClient
 from rl_client.errors import FailedPreconditionError, ResourceExhaustedError, UnavailableError
 from server.app import BridgeServer, create_server

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engines.types import FinishReason, Origin, SamplingParams, Usage
+from core.types import FinishReason, Origin, SamplingParams, Usage
 from server.episodes import Episode, Turn
 from server.persistence import EpisodeJournal, PersistenceConfig, PersistenceUnavailable, decode, encode
 from tests.integration.redis_proc import PrivateRedis

@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 import pytest
 
+from core.types import GenerateRequest, TokenChunk
 from engines.config import ToyConfig
 from engines.toy import ToyEngine
-from engines.types import GenerateRequest, TokenChunk
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.app import create_server

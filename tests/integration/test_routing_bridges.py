@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from engines.salt import CacheSalt
+from core.salt import CacheSalt
 from tests.integration.redis_proc import PrivateRedis
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5] * 6

@@ -12,19 +12,19 @@ from typing import Any
 import pytest
 import yaml
 
-from engines.errors import InvalidArgument
-from envhub.config import SandboxConfig
-from envhub.connectors.sandbox import CodeSandbox
+from core.errors import InvalidArgument
 from envhub.envs.code_math import CodeMathEnv
 from envhub.envs.sql_qa import SqlQaEnv
 from envhub.envs.web_browse import WebBrowseEnv
 from envhub.envs.web_lookup import WebLookupEnv
 from envhub.graders import FnGrader, get_grader, grader_names, grader_policy_digest, register_grader
-from envhub.policies import SandboxPolicy, load_policy, parse_policy, shipped_policies
-from envhub.sandbox_check import ATTACKS, check_policy
-from envhub.verifier.config import VerifierConfig
-from envhub.verifier.service import ScoreRequest, Verifier
+from sandbox.check import ATTACKS, check_policy
+from sandbox.config import SandboxConfig
+from sandbox.policies import SandboxPolicy, load_policy, parse_policy, shipped_policies
+from sandbox.runner import CodeSandbox
 from server.cli import main
+from verifier.config import VerifierConfig
+from verifier.service import ScoreRequest, Verifier
 
 ATTACK_NAMES = [a for a, _, _ in ATTACKS]
 

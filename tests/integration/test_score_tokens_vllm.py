@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.types import Message
 from engines import make_engines
 from engines.config import EngineConfig
-from engines.types import Message
 from rl_client.errors import BridgeError
 from tests.integration.engine_script import bridge_over
 

@@ -29,8 +29,8 @@ import pytest
 import pytest_asyncio
 
 from bench import spec_workload as workload
+from core.types import FinishReason, GenerateRequest, Message, Origin, SamplingParams
 from engines.config import EmbeddedConfig
-from engines.types import FinishReason, GenerateRequest, Message, Origin, SamplingParams
 from speculation.config import SpeculationConfig
 from speculation.constraint import GrammarConstraint, replay_masks
 from speculation.factory import MASKED_POSITIONS_KEY, SpeculationFactory
@@ -150,7 +150,7 @@ def _tally(outcomes: list[Outcome], decode: Any) -> Tally:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def engine() -> AsyncIterator[Any]:
-    from engines.embedded import EmbeddedEngine
+    from engines.embedded.engine import EmbeddedEngine
 
     eng = await EmbeddedEngine.start(EmbeddedConfig(max_model_len=2048, max_batch_size=32))
     yield eng

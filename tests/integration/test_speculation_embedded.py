@@ -10,8 +10,8 @@ import pytest
 import pytest_asyncio
 
 from bench import spec_workload as workload
+from core.types import GenerateRequest, Origin, SamplingParams
 from engines.config import EmbeddedConfig
-from engines.types import GenerateRequest, Origin, SamplingParams
 from speculation.config import SpeculationConfig
 from speculation.drafters import SpeculativeDrafter, build_drafter
 from speculation.grammar import CompiledToolGrammar, ll_tokenizer
@@ -25,7 +25,7 @@ MAX_TOKENS = 48
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def engine() -> AsyncIterator[Any]:
-    from engines.embedded import EmbeddedEngine
+    from engines.embedded.engine import EmbeddedEngine
 
     eng = await EmbeddedEngine.start(EmbeddedConfig(max_model_len=2048, max_batch_size=8))
     yield eng

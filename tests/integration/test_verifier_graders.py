@@ -18,13 +18,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engines.errors import PrimeRLError
+from core.errors import PrimeRLError
 from envhub.graders import get_grader, grader_policy_digest
-from envhub.policies import load_policy, policy_digest
-from envhub.verifier.config import VerifierConfig
-from envhub.verifier.sandboxed import SandboxedGrader
-from envhub.verifier.service import ScoreRequest, Verifier, load_entry_point_graders
+from sandbox.policies import load_policy, policy_digest
 from tests.integration.test_verifier_http import TRAJECTORY
+from verifier.config import VerifierConfig
+from verifier.sandboxed import SandboxedGrader
+from verifier.service import ScoreRequest, Verifier, load_entry_point_graders
 
 MODULE = '''
 """User graders (untrusted): stdlib only, run in the sandbox."""

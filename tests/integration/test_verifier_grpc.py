@@ -23,14 +23,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from engines.launch import free_port
-from envhub.verifier.cli import serve
-from envhub.verifier.config import VerifierConfig
-from envhub.verifier.grpc_app import trajectory_json
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import verifier_pb2 as vpb
 from proto.primerl.v1 import verifier_pb2_grpc as vpb_grpc
 from tests.conftest import StartBridge
 from tests.integration.test_verifier_http import TRAJECTORY, post
+from verifier.cli import serve
+from verifier.config import VerifierConfig
+from verifier.grpc_app import trajectory_json
 
 PB_TRAJECTORY = pb.Trajectory(
     episode_id="ep-1",

@@ -20,11 +20,11 @@ import pytest
 
 from engines.launch import free_port
 from envhub.graders import FnGrader, grader_names, register_grader
-from envhub.verifier.cli import serve
-from envhub.verifier.config import VerifierConfig
 from server.cli import main
 from tests.integration.verifier_db import db_url
 from tests.unit.test_verifier_merkle import Rfc6962
+from verifier.cli import serve
+from verifier.config import VerifierConfig
 
 __all__ = ["db_url"]  # the fixture, parametrized over SQLite and PostgreSQL
 

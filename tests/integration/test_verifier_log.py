@@ -17,13 +17,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from engines.errors import NotFound
-from envhub.verifier.keys import KeyRing
-from envhub.verifier.log import TransparencyLog
-from envhub.verifier.statement import Verdict
-from envhub.verifier.store import LogCorrupted, LogStore
-from envhub.verifier.verify import VerificationError, audit, parse_keys, verify_consistency, verify_entry
+from core.errors import NotFound
 from tests.integration.verifier_db import db_url
+from verifier.keys import KeyRing
+from verifier.log import TransparencyLog
+from verifier.statement import Verdict
+from verifier.store import LogCorrupted, LogStore
+from verifier.verify import VerificationError, audit, parse_keys, verify_consistency, verify_entry
 
 ORIGIN = "test.local/verifier"
 
@@ -121,7 +121,7 @@ def test_flipping_any_byte_of_a_stored_entry_is_detected(open_log: OpenLog, db_u
 
 def _proof_from_rows(store: LogStore, index: int, size: int) -> list[str]:
     """The inclusion proof a server recomputing its tree from the stored leaves would hand out."""
-    from envhub.verifier.merkle import MerkleTree, leaf_hash
+    from verifier.merkle import MerkleTree, leaf_hash
 
     tree = MerkleTree([leaf_hash(leaf) for _, leaf, _ in store.entries()])
     return [base64.b64encode(h).decode() for h in tree.inclusion_proof(index, size)]
@@ -149,7 +149,7 @@ def test_reordering_two_entries_is_detected(open_log: OpenLog, db_url: str) -> N
 
 
 def _leaf(receipt: Any) -> bytes:
-    from envhub.verifier.statement import canonical_json
+    from verifier.statement import canonical_json
 
     return canonical_json(receipt.envelope)
 

@@ -1,6 +1,6 @@
 """Several bridge worker processes on one port (``primerl serve --workers N``) and the call forwarder under them.
 
-* ``server.forward``: a real front server forwards every PrimeRL call to a real toy bridge; the client sees
+* ``server.fleet.forward``: a real front server forwards every PrimeRL call to a real toy bridge; the client sees
   the trajectory, status codes, details and metadata it would see calling the bridge directly.
 * ``primerl serve --workers 2``: many channels reach both workers (SO_REUSEPORT); an episode started
   through one worker is stepped and ended through the other (forwarded to its owner, proven by the
@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
-from server.forward import Forwarder, OwnerUnreachable, Route, passthrough
+from server.fleet.forward import Forwarder, OwnerUnreachable, Route, passthrough
 from tests.conftest import StartBridge
 from tests.integration.redis_proc import PrivateRedis
 
@@ -395,7 +395,7 @@ async def test_a_call_for_a_dead_workers_episode_says_it_was_lost(tmp_path: Path
     """In process, worker 0 of 2 whose peer never started: without persistence its episodes are gone."""
     from server.app import create_server
     from server.config import load_settings
-    from server.workers import WorkerSlot
+    from server.fleet.workers import WorkerSlot
 
     slot = WorkerSlot(0, (f"unix:{tmp_path}/w0.sock", f"unix:{tmp_path}/w1.sock"))
     settings = load_settings(engine={"type": "toy"}, server={"port": 0, "grace_period_s": 0.5}, metrics={"port": 0})
@@ -421,7 +421,7 @@ async def test_a_call_for_a_dead_workers_episode_says_it_was_lost(tmp_path: Path
             assert started.episode_ids[0].startswith("ep-w0-")
     finally:
         await server.stop(0.5)
-        from server.forward import default_forwarder
+        from server.fleet.forward import default_forwarder
 
         await default_forwarder().close()
 

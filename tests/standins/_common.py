@@ -15,8 +15,8 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 
+from core.types import GenerateRequest, SamplingParams, TokenChunk
 from engines.base import Engine
-from engines.types import GenerateRequest, SamplingParams, TokenChunk
 
 
 @dataclass

@@ -40,9 +40,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from core.errors import PrimeRLError
+from core.types import FinishReason, GenerateRequest, SamplingParams, WeightUpdate
 from engines.base import Engine
-from engines.errors import PrimeRLError
-from engines.types import FinishReason, GenerateRequest, SamplingParams, WeightUpdate
 from tests.standins._common import (
     Faults,
     StandinServer,

@@ -37,9 +37,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from core.errors import PrimeRLError
+from core.types import FinishReason, GenerateRequest, SamplingParams, TokenChunk
 from engines.base import Engine
-from engines.errors import PrimeRLError
-from engines.types import FinishReason, GenerateRequest, SamplingParams, TokenChunk
 from tests.standins._common import Faults, StandinServer, clamp_inf, decode, generate, sse
 
 

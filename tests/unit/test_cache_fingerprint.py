@@ -11,7 +11,7 @@ import xxhash
 
 from cache.config import CacheConfig
 from cache.fingerprint import Fingerprinter
-from engines.salt import CacheSalt
+from core.salt import CacheSalt
 
 
 def test_only_full_blocks_are_hashed() -> None:
@@ -54,7 +54,7 @@ def test_documented_values_are_stable_across_processes() -> None:
     fp = Fingerprinter(block_size=4)
     expected = fp.hashes([1, 2, 3, 4, 5, 6, 7, 8], str(CacheSalt("smollm2", 3)))
     code = (
-        "from cache.fingerprint import Fingerprinter; from engines.salt import CacheSalt;"
+        "from cache.fingerprint import Fingerprinter; from core.salt import CacheSalt;"
         "print(Fingerprinter(block_size=4).hashes([1,2,3,4,5,6,7,8], CacheSalt('smollm2',3)))"
     )
     out = subprocess.run(

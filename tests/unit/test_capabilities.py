@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
+from core.errors import Unimplemented
+from core.types import Capability, SamplingParams, check_capabilities
 from engines.config import ToyConfig
-from engines.errors import Unimplemented
-from engines.sglang import SglangEngine
+from engines.http.sglang import SglangEngine
+from engines.http.trtllm import TrtllmEngine
+from engines.http.vllm import VllmEngine
 from engines.toy import ToyEngine
-from engines.trtllm import TrtllmEngine
-from engines.types import Capability, SamplingParams, check_capabilities
-from engines.vllm import VllmEngine
 
 
 def test_a_field_at_its_default_needs_nothing_and_a_set_one_needs_its_capability() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.layered_config import ConfigError
+from core.layered_config import ConfigError
 from server.cli import _serve_overrides, build_parser
 from server.config import Settings, load_settings
 

@@ -1,4 +1,4 @@
-"""engines.layered_config: each source and its precedence, unknown keys, --dry-run / --help, shipped TOMLs.
+"""core.layered_config: each source and its precedence, unknown keys, --dry-run / --help, shipped TOMLs.
 
 Precedence, highest first: overrides > CLI flags > config files (left to right) > environment > defaults.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.layered_config import ConfigError, load_config, run_cli, to_toml
+from core.layered_config import ConfigError, load_config, run_cli, to_toml
 from grpo.cli import RLConfig
 from server.config import Settings, load_settings
 

@@ -13,8 +13,8 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 
-from envhub.verifier.cli import load_config
 from tests.unit.test_deploy import CHART, KUBE_VERSIONS, by_kind, compose_config, render
+from verifier.cli import load_config
 
 ON = {"verifier": {"enabled": True}}
 

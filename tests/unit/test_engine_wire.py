@@ -8,11 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.errors import EngineProtocolError, InvalidArgument
-from engines.http_base import redact_url
-from engines.types import FinishReason
-from engines.vllm import check_weight_dir, vllm_salt
-from engines.wire import Wire, error_message, finish_from_openai, iter_sse, parse_prometheus
+from core.errors import EngineProtocolError, InvalidArgument
+from core.types import FinishReason
+from engines.http.base import redact_url
+from engines.http.vllm import check_weight_dir, vllm_salt
+from engines.http.wire import Wire, error_message, finish_from_openai, iter_sse, parse_prometheus
 
 
 async def events(raw: bytes) -> list[str]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.errors import InvalidArgument
-from engines.toolcall import TOOL_CALL_BEGIN, parse_tool_calls
+from core.errors import InvalidArgument
+from core.toolcall import TOOL_CALL_BEGIN, parse_tool_calls
 from envhub import EnvHubConfig, make_env, names, register
 from envhub.base import Task, ToolEnvironment
 from envhub.graders import Rubric, grade_exact

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import pytest
 
-from engines.errors import FailedPrecondition, ToolError
-from engines.toolcall import parse_tool_calls, strip_tool_calls
+from core.errors import FailedPrecondition, ToolError
+from core.toolcall import parse_tool_calls, strip_tool_calls
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig, LoopConfig
 from envhub.loop import ToolLoop, start_env_episode

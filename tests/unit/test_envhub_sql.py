@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.errors import ToolError
+from core.errors import ToolError
 from envhub.config import SqlConfig
 from envhub.connectors.sql import SqliteReadOnly, first_keyword, render_rows
 from envhub.envs._data import BUNDLED_DB

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engines.errors import ToolError
+from core.errors import ToolError
 from envhub.config import HttpConfig
 from envhub.connectors.http import SafeHttpClient, address_block_reason, system_resolver
 

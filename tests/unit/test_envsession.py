@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from engines.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ToolError
+from core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ToolError
 from envhub.base import Task, ToolEnvironment
 from envhub.config import EnvHubConfig, LoopConfig
 from envhub.loop import EnvEpisode, ToolLoop

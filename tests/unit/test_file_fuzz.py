@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from engines.errors import InvalidArgument
-from engines.layered_config import ConfigError, _all_paths
+from core.errors import InvalidArgument
+from core.layered_config import ConfigError, _all_paths
 from envhub.envs._data import TaskFileError, load_tasks
-from envhub.policies import load_policy
-from envhub.policies.model import SandboxPolicy
+from sandbox.policies import load_policy
+from sandbox.policies.model import SandboxPolicy
 from server.config import Settings, load_settings
 
 EXAMPLES = int(os.environ.get("PRIMERL_FUZZ_EXAMPLES", "150"))
@@ -131,7 +131,7 @@ def test_bridge_toml_errors_name_the_key(text: bytes, says: str) -> None:
 
 
 POLICY_PATHS = _all_paths([SandboxPolicy])
-VALID_POLICY = yaml.safe_load((Path(__file__).parents[2] / "envhub/policies/default.yaml").read_text())
+VALID_POLICY = yaml.safe_load((Path(__file__).parents[2] / "sandbox/policies/default.yaml").read_text())
 
 
 def _load_policy(data: bytes) -> None:
@@ -205,10 +205,10 @@ def test_task_files_from_raw_bytes(data: bytes) -> None:
 
 
 def test_llmserve_episode_logs() -> None:
-    from envhub.llmserve.agents import make_agent
-    from envhub.llmserve.grader import EpisodeLogError, grade, run_agent
-    from envhub.llmserve.models import EpisodeLog
-    from envhub.llmserve.tasks import TASKS, UnknownTaskError
+    from llmserve.agents import make_agent
+    from llmserve.grader import EpisodeLogError, grade, run_agent
+    from llmserve.models import EpisodeLog
+    from llmserve.tasks import TASKS, UnknownTaskError
 
     valid = run_agent(make_agent("heuristic", 0), next(iter(TASKS)), 0).model_dump(mode="json")
     keys, action_keys = list(valid), list(valid["actions"][0])

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines.errors import FailedPrecondition
+from core.errors import FailedPrecondition
 from envhub import EnvHubConfig, Environment, FinalAnswer, ToolCall, ToolLoop
 from grpo import ConversationEnvironment, SimpleTextEnvironment, SVRLEnvironment
 from grpo.backprop import normalize
@@ -111,7 +111,7 @@ def test_reinforce_baseline_is_a_moving_average() -> None:
 
 
 def test_rl_config_layers_and_names_unknown_keys(tmp_path: Any) -> None:
-    from engines.layered_config import ConfigError, load_config
+    from core.layered_config import ConfigError, load_config
     from grpo.cli import RLConfig
 
     cfg = load_config(RLConfig, ["@", "examples/grpo.toml", "--max-steps", "6", "--ckpt", "--ckpt.interval", "3"])
@@ -126,7 +126,7 @@ def test_rl_config_layers_and_names_unknown_keys(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize("layers", [["grpo.toml"], ["grpo.toml", "ppo.toml"]])
 def test_shipped_rl_configs_load(layers: list[str]) -> None:
-    from engines.layered_config import load_config
+    from core.layered_config import load_config
     from grpo.cli import RLConfig
 
     argv = [token for name in layers for token in ("@", f"examples/{name}")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engines.toolcall import format_call
+from core.toolcall import format_call
 from server.http.models import ChatMessage
 from server.http.render import assistant_message, canonical, engine_messages, visible_text
 

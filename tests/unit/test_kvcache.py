@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engines.kvcache import (  # noqa: E402
+from core.types import EngineCounters  # noqa: E402
+from engines.embedded.kvcache import (  # noqa: E402
     SLACK,
     KVStore,
     Parked,
@@ -18,7 +19,6 @@ from engines.kvcache import (  # noqa: E402
     pack_left,
     unpack_left,
 )
-from engines.types import EngineCounters  # noqa: E402
 
 LAYERS, HEADS, DIM = 3, 2, 4
 

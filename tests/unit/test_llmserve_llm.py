@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from envhub.llmserve.agents import make_agent
-from envhub.llmserve.llm import SYSTEM_PROMPT, LLMConfig, LLMEndpointError, LLMStats, parse_action
-from envhub.llmserve.models import ServeAction
+from llmserve.agents import make_agent
+from llmserve.llm import SYSTEM_PROMPT, LLMConfig, LLMEndpointError, LLMStats, parse_action
+from llmserve.models import ServeAction
 from server.cli import main
 
 GOOD = {"batch_cap": 48, "kv_budget_fraction": 0.8, "speculation_depth": 2, "quantization_tier": "INT8",

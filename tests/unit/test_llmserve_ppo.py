@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from envhub.llmserve.agents import make_agent
-from envhub.llmserve.grader import grade, run_agent
-from envhub.llmserve.models import ServeAction
-from envhub.llmserve.ppo import LEVELS, TrainConfig, from_action, to_action, train
+from llmserve.agents import make_agent
+from llmserve.grader import grade, run_agent
+from llmserve.models import ServeAction
+from llmserve.ppo import LEVELS, TrainConfig, from_action, to_action, train
 from server.cli import main
 
 TINY = {"steps": 200, "bc_episodes": 4, "bc_epochs": 20, "val_seeds": 2, "episodes_per_iter": 2, "eval_every": 1}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from envhub.llmserve.profiles import COEFFS_FILE, DISTSERVE_A100_OPT13B, CostCoefficients, embedded_smollm2_cpu
+from llmserve.profiles import COEFFS_FILE, DISTSERVE_A100_OPT13B, CostCoefficients, embedded_smollm2_cpu
 
 
 def coeffs(**kw: float) -> CostCoefficients:

@@ -44,7 +44,7 @@ def test_dockerfile_passes_hadolint_serves_7860_unprivileged_with_the_web_interf
     assert out.returncode == 0, out.stdout + out.stderr
     text = (SPACE / "Dockerfile").read_text()
     assert "EXPOSE 7860" in text and re.search(r"^USER 10001", text, re.M) and "HEALTHCHECK" in text
-    assert "ENABLE_WEB_INTERFACE=true" in text and "envhub.llmserve.app:app" in text
+    assert "ENABLE_WEB_INTERFACE=true" in text and "llmserve.app:app" in text
     # The image copies every package the project installs (pyproject's packages.find).
     root_copies = set(re.findall(r"^COPY (\w+)/ ", (ROOT / "Dockerfile").read_text(), re.M)) - {"scripts"}
     assert root_copies <= set(re.findall(r"^COPY (\w+)/ ", text, re.M))

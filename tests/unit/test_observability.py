@@ -18,9 +18,9 @@ from prometheus_client import generate_latest
 from cache.config import CacheConfig
 from cache.index import MemoryIndex
 from cache.redis_index import RedisIndex
+from core.types import Usage
 from engines.config import ToyConfig
 from engines.toy import ToyEngine
-from engines.types import Usage
 from observability.metrics import LATENCY_BUCKETS, BridgeMetrics, FailOpenCounting, exposed_names
 from server.bridge import Bridge
 from server.config import AdmissionConfig, SamplingDefaults

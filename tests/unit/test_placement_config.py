@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.errors import InvalidArgument
+from core.errors import InvalidArgument
 from placement.mig.config import load_fleet, load_models
 
 REPO = Path(__file__).resolve().parents[2]

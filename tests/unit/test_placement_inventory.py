@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.errors import FailedPrecondition
+from core.errors import FailedPrecondition
 from placement.mig.catalog import GPU_TYPES
 from placement.mig.inventory import GpuRecord, MigDevice, fleet_from_records, load_inventory, nvml_module
 from server.cli import main

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from cache import Fingerprinter, MemoryIndex
-from engines.salt import CacheSalt
+from core.salt import CacheSalt
 from placement.routing import (
     CacheAware,
     ConsistentHash,

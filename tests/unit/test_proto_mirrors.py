@@ -15,7 +15,7 @@ from google.protobuf.descriptor import EnumDescriptor
 
 import grpo.masks
 import rl_client.types
-from engines import types
+from core import types
 from proto.primerl.v1 import primerl_pb2 as pb
 
 
@@ -33,10 +33,10 @@ def test_sampling_fields_are_mirrored_both_ways() -> None:
     proto = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields]
     python = list(types.SAMPLING_FIELDS)
     assert not _missing(proto, python), (
-        f"proto SamplingParams fields {_missing(proto, python)} lack a field in engines.types.SamplingParams"
+        f"proto SamplingParams fields {_missing(proto, python)} lack a field in core.types.SamplingParams"
     )
     assert not _missing(python, proto), (
-        f"engines.types.SamplingParams fields {_missing(python, proto)} lack a field in proto SamplingParams"
+        f"core.types.SamplingParams fields {_missing(python, proto)} lack a field in proto SamplingParams"
     )
     # The client sends the same type, converted by name.
     assert rl_client.types.Sampling is types.SamplingOverrides

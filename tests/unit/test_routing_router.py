@@ -12,9 +12,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from cache import CacheConfig, Fingerprinter, MemoryIndex
+from core.errors import InvalidArgument
+from core.salt import CacheSalt
 from engines.config import ToyConfig
-from engines.errors import InvalidArgument
-from engines.salt import CacheSalt
 from engines.toy import ToyEngine
 from observability.metrics import BridgeMetrics
 from placement.routing import CacheAware, Router, RoutingConfig, StickyFallback, make_policy

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from core.types import SamplingParams
 from engines.config import ToyConfig
 from engines.sampling import log_softmax, processed_logprobs, sample
 from engines.toy import ToyEngine, ToyTokenizer
-from engines.types import SamplingParams
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -63,7 +63,7 @@ def test_toy_tokenizer_round_trip() -> None:
 
 async def test_toy_plain_sampling_equals_the_general_path_before_and_after_a_weight_update() -> None:
     """The toy's fast path (exp tables) draws the same tokens with the same logprobs as ``sample(logits)``."""
-    from engines.types import WeightUpdate
+    from core.types import WeightUpdate
 
     engine = ToyEngine(ToyConfig())
     params = SamplingParams(temperature=1.0)
@@ -107,7 +107,7 @@ def test_min_p_sampling_matches_the_filtered_distribution() -> None:
 
 async def test_toy_engine_samples_min_p_exactly() -> None:
     """First tokens of 3,000 seeded toy turns follow the min-p distribution; each logprob is exact."""
-    from engines.types import GenerateRequest
+    from core.types import GenerateRequest
 
     engine = ToyEngine(ToyConfig())
     prompt = (1, 5, 9)
@@ -131,8 +131,8 @@ async def test_toy_turns_draw_what_token_by_token_sampling_draws() -> None:
     """A toy turn samples a chunk in one call and may take its uniform draws at once: its tokens and logprobs are
     those of ``_sample_plain`` one token at a time, and a turn that stops mid-chunk leaves the shared generator
     where token-by-token sampling leaves it (the next unseeded turns still match)."""
+    from core.types import FinishReason, GenerateRequest
     from engines.toy import END
-    from engines.types import FinishReason, GenerateRequest
 
     config = ToyConfig(yield_every=5)
     engine, reference = ToyEngine(config), ToyEngine(config)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engines.errors import InvalidArgument, Unimplemented
+from core.errors import InvalidArgument, Unimplemented
+from core.types import Capability, EngineInfo
 from engines.scoring import MAX_LOGIT_VALUES, ScoreRequest, validate
-from engines.types import Capability, EngineInfo
 
 INFO = EngineInfo(
     "embedded", "m", vocab_size=100, max_model_len=16, eos_token_ids=(0,), capabilities=frozenset(Capability)

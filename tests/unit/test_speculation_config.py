@@ -44,8 +44,8 @@ def test_factory_returns_no_drafter_when_disabled_or_constrained() -> None:
 
 def test_constrained_mode_is_refused_on_engines_that_cannot_mask() -> None:
     """Only the embedded engine decodes under a grammar mask: the others would silently ignore it."""
+    from core.errors import InvalidArgument
     from engines.config import ToyConfig
-    from engines.errors import InvalidArgument
     from engines.toy import ToyEngine
     from server.bridge import Bridge
     from server.config import AdmissionConfig, SamplingDefaults
@@ -69,9 +69,9 @@ def test_draft_only_on_replicas_that_cannot_verify_is_said_at_start_and_sends_no
 ) -> None:
     from dataclasses import replace
 
+    from core.types import Capability, GenerateRequest, SamplingParams
     from engines.config import ToyConfig
     from engines.toy import ToyEngine
-    from engines.types import Capability, GenerateRequest, SamplingParams
     from server.bridge import Bridge
     from server.config import AdmissionConfig, SamplingDefaults
     from server.episodes import Episode

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from bench import spec_workload as workload
-from engines.toolcall import parse_tool_calls
+from core.toolcall import parse_tool_calls
 from envhub.grammar import grammar_for
 from speculation.config import SpeculationConfig
 from speculation.drafters import NgramIndex, SpeculativeDrafter
@@ -128,8 +128,8 @@ def test_constrained_mode_never_emits_an_invalid_call_even_for_a_random_policy(
     jsonschema = pytest.importorskip("jsonschema")
     import numpy as np
 
+    from core.types import SamplingParams
     from engines.sampling import sample
-    from engines.types import SamplingParams
     from speculation.constraint import GrammarConstraint
 
     rng = np.random.default_rng(0)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from core.types import GenerateRequest, Origin, SamplingParams
 from engines.config import ToyConfig
 from engines.sampling import log_softmax, processed_logprobs, verify
 from engines.toy import END, ToyEngine
-from engines.types import GenerateRequest, Origin, SamplingParams
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

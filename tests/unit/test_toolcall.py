@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from core.toolcall import TOOL_CALL_BEGIN, TOOL_CALL_END, format_call, parse_tool_calls, strip_tool_calls
 from engines.chat import tools_system_text
-from engines.toolcall import TOOL_CALL_BEGIN, TOOL_CALL_END, format_call, parse_tool_calls, strip_tool_calls
 from grpo.tasks import EXAMPLE
 
 

@@ -2,7 +2,7 @@
 
 ``Rfc6962`` below is written straight from RFC 6962 §2.1 (MTH), §2.1.1 (PATH) and §2.1.2 (PROOF /
 SUBPROOF) as recursive functions over the full list of leaves: no cached levels, no bit tricks, nothing
-shared with ``envhub.verifier.merkle``. The vectors are those of certificate-transparency-go
+shared with ``verifier.merkle``. The vectors are those of certificate-transparency-go
 (``merkletree/merkle_verifier_test.go``): 8 leaves, the roots of every prefix, audit paths and
 consistency proofs.
 """
@@ -13,7 +13,7 @@ import hashlib
 
 import pytest
 
-from envhub.verifier.merkle import (
+from verifier.merkle import (
     MerkleTree,
     ProofError,
     leaf_hash,

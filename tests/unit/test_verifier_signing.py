@@ -14,10 +14,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
-from engines.errors import InvalidArgument
+from core.errors import InvalidArgument
 from envhub.graders import get_grader
-from envhub.verifier.keys import KeyRing, PublicKey, note_key_hash
-from envhub.verifier.signing import (
+from verifier.keys import KeyRing, PublicKey, note_key_hash
+from verifier.signing import (
     PAYLOAD_TYPE,
     Checkpoint,
     SignatureError,
@@ -26,7 +26,7 @@ from envhub.verifier.signing import (
     pae,
     sign_envelope,
 )
-from envhub.verifier.statement import Trajectory, VerdictSample
+from verifier.statement import Trajectory, VerdictSample
 
 TRAJ: dict[str, Any] = {
     "episode_id": "ep",
@@ -162,7 +162,7 @@ def test_constant_grader_returns_params_value() -> None:
 
 def test_graders_declared_by_entry_point_are_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     from envhub.graders import FnGrader, grader_names
-    from envhub.verifier import service
+    from verifier import service
 
     class EntryPoint:
         def load(self) -> Any:

@@ -1,9 +1,9 @@
-"""A bridge worker's place (server.workers.WorkerSlot): who owns an episode id, and each worker's settings."""
+"""A bridge worker's place (server.fleet.workers.WorkerSlot): who owns an episode id, and each worker's settings."""
 
 from __future__ import annotations
 
 from server.config import load_settings
-from server.workers import WorkerSlot
+from server.fleet.workers import WorkerSlot
 
 SLOT = WorkerSlot(1, ("unix:/tmp/x/w0.sock", "unix:/tmp/x/w1.sock", "unix:/tmp/x/w2.sock"))
 

@@ -1,4 +1,4 @@
-"""The Space's entry point: LLMServeEnv (``envhub/llmserve/app.py``, openenv-core's ``create_app``) on port 7860.
+"""The Space's entry point: LLMServeEnv (``llmserve/app.py``, openenv-core's ``create_app``) on port 7860.
 
 ``uv run --project . server``, ``python -m server.app`` from this directory, or the Dockerfile's command.
 """
@@ -10,7 +10,7 @@ import os
 
 import uvicorn
 
-from envhub.llmserve.app import app
+from llmserve.app import app
 
 __all__ = ["app", "main"]
 
