@@ -1,21 +1,23 @@
-"""Env hub: environments, connectors, reward shapers and tool-schema grammars.
+"""Env hub: the tool environments, their connectors, the server-side tool loop, graders and reward shapers.
 
 Layout::
 
     types.py      ToolSpec, ToolCall, FinalAnswer, ToolResult, StepResult, EnvState ...
     base.py       Environment protocol; ToolEnvironment (tasks, tools, trace, grading)
-    registry.py   make_env(name, config): sql-qa, code-math, web-lookup (+ register())
+    registry.py   make_env(name, config): sql-qa, code-math, web-lookup, web-browse (+ register())
     loop.py       ToolLoop: the server-side tool loop the bridge drives per turn
-    grammar.py    ToolGrammar: an env's tool schemas for the speculation layer
+    grammar.py    grammar_for: an env's tool schemas as a ``core.grammar.ToolGrammar`` (the speculation layer's input)
     graders.py    the one reward system: Grader protocol, Rubric (weighted sum/mean, group modes),
                   answer graders registered by name (exact)
     rewards.py    env shaping terms (success, format, step, cost, tool-trace) over a RewardContext
     openenv.py    OpenEnv HTTP facade (create_app) and client (OpenEnvClient)
-    connectors/   sql (SQLite, PostgreSQL), sandbox (bubblewrap), http (SSRF-safe), browser
-    envs/         the ready environments
-    policies/     declared sandbox policies (YAML, validated, digested): default, grader
-    sandbox_check.py  the escape suite (``primerl sandbox check POLICY``)
-    verifier/     the verifier service: signed verdicts in a tamper-evident log (``primerl verifier``)
+    config.py     EnvHubConfig (``[envhub]``: sandbox, sql, http, browser, loop)
+    connectors/   sql (SQLite, PostgreSQL), http (SSRF-safe), browser (Playwright)
+    envs/         the ready environments; data/ their fixtures
+
+Beside it, not in it: the code sandbox (``sandbox/``: policies, runner, seccomp, escape suite), the verifier
+service (``verifier/``), the eval registry (``evals/``) and LLMServeEnv (``llmserve/``). The env hub imports
+only ``core`` and ``sandbox``; never grpo, rl_client, proto or server (pyproject.toml's import contracts).
 
 Importing the package imports neither Playwright, psycopg nor Starlette.
 """

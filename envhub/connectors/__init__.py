@@ -1,1 +1,4 @@
-"""Connectors: read-only SQL, code sandbox, SSRF-safe HTTP, headless browser, OpenEnv client."""
+"""Connectors the environments use: read-only SQL (SQLite, PostgreSQL), SSRF-safe HTTP, a headless browser.
+
+The code sandbox is its own package, ``sandbox/``.
+"""
