@@ -3,7 +3,7 @@
 The simulator prices engine steps in DistServe's form (``llmserve/profiles.py``): a prefill of prompt
 length ``n`` costs ``a + b*n + c*n^2`` ms, a decode iteration over ``B`` sequences of context ``ctx`` costs
 ``a + b*B*ctx + c*B + d*[B > 1]`` ms (``d``: the CPU's GEMM-instead-of-GEMV step, see ``profiles``). This
-script measures exactly the forward passes the embedded engine runs (``engines/embedded/engine.py``: one prefill
+script measures exactly the forward passes the embedded engine runs (``engines/embedded/scheduler.py``: one prefill
 forward per sequence; one batched decode forward over the left-packed caches, ``engines.embedded.kvcache.pack_left``)
 for SmolLM2-135M on torch CPU over a grid of shapes, keeps the minimum of ``--repeats`` timings per shape,
 taken round-robin over the shapes (the least disturbed by other load), fits the coefficients by non-negative

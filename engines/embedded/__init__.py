@@ -2,9 +2,9 @@
 
 Layout::
 
-    engine.py     EmbeddedEngine: the Engine facade, per-request queues, weight and adapter updates
-    spec.py       the speculative step (drafts, one verify forward, acceptance)
+    engine.py     EmbeddedEngine: the Engine facade, per-request queues, the worker thread, scoring, weight loads
+    scheduler.py  Scheduler: the sequences, the decode batch, parked KV, the speculative step, weight swaps
     model.py      loading the model and tokenizer (through engines.model_store)
-    kvcache.py    the paged prefix KV cache (parked sequences, LRU eviction)
+    kvcache.py    KV caches that grow in place, left-padded batch packing, the LRU store of parked KV
     weights.py    reading and checking safetensors checkpoints for in-place updates
 """

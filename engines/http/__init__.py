@@ -2,12 +2,12 @@
 
 Layout::
 
-    base.py           HttpEngine: request, retries, the stream of one generation
-    stream.py         reading a server-sent-event stream into token results
+    base.py           RemoteEngine: control calls, admission around weight updates, the turn of one generation
+    stream.py         StreamReader: opening and reading a generation stream over the replica's client
     edge.py           the client, timeouts, and mapping HTTP failures to the error tree
     wire.py           the wire formats (token ids, logprobs) shared by the servers
     openai_compat.py  OpenAI-compatible completion payloads (vLLM, TRT-LLM)
-    vllm.py           vLLM (``/v1/completions`` with token ids); vllm_score.py its scoring
+    vllm.py           vLLM (``/v1/completions`` with token ids), draft verification and scoring
     sglang.py         SGLang (``/generate``)
     trtllm.py         TensorRT-LLM (``trtllm-serve``)
     remote.py         make_remote_engines: one engine per configured URL

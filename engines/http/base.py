@@ -3,7 +3,7 @@
 One ``RemoteEngine`` is one engine replica behind one base URL. Subclasses only say how a request is written and how
 one stream event is read; this module owns the connection pool, timeouts, admission around weight updates and the
 assembly of ``TokenChunk``s. Connect retries, URL redaction and the HTTP -> error map are ``engines.http.edge``;
-stream state and opening a stream are ``engines.http.stream``.
+opening and reading a generation stream is ``engines.http.stream`` (a ``StreamReader`` over this replica's client).
 
 Invariants
 ----------
@@ -68,8 +68,8 @@ from engines.base import Tokenizer
 from engines.config import RemoteEngineConfig
 from engines.http import edge as http_edge
 from engines.http.edge import redact_url
-from engines.http.stream import STREAM_FAILURES, Delta, StreamContext, StreamState
-from engines.http.wire import Wire, counter_values, iter_sse, parse_prometheus
+from engines.http.stream import Delta, StreamContext, StreamReader, StreamState
+from engines.http.wire import Wire, counter_values, parse_prometheus
 
 log = logging.getLogger("primerl.engines")
 # ---------------------------------------------------------------------------------------------
@@ -120,8 +120,16 @@ class RemoteEngine:
         self._explicit_model = bool(model or config.served_model_name)
         self.counters = EngineCounters()
         self._request_timeout_s = request_timeout_s
-        self._stream_timeout = http_edge.stream_timeout(config, request_timeout_s)
-        self._client = http_edge.make_client(self.url, config, transport)
+        self._client = http_edge.make_client(self.url, config, transport)  # closed by close()
+        self._streams = StreamReader(
+            self._client,
+            config,
+            path=self.generate_path,
+            timeout=http_edge.stream_timeout(config, request_timeout_s),
+            label=self.label,
+            wire=self.wire,
+            http_error=self.http_error,
+        )
         self._info = EngineInfo(
             engine=self.engine_name,
             model=model or config.served_model_name or Path(facts.model_dir).name,
@@ -194,36 +202,13 @@ class RemoteEngine:
         self, response: httpx.Response, deadline: float, state: StreamState, produced: Callable[[], int]
     ) -> AsyncGenerator[Delta, None]:
         """The parsed events of one token stream up to ``[DONE]``; engine errors and dropped or silent streams
-        raise (``produced()``: tokens so far, for the message), except after an abort we asked for."""
-        events = iter_sse(response)
-        try:
-            while True:
-                async with asyncio.timeout_at(deadline):  # not held across the yield (it would cancel the consumer)
-                    text = await anext(events, None)
-                if text is None or text.strip() == "[DONE]":
-                    return
-                data = self.wire.loads(text, "stream event")
-                if isinstance(data, dict) and data.get("error"):
-                    raise http_edge.stream_error(self.label, self._info, data["error"], produced())
+        raise (``produced()``: tokens so far, for the message), except after an abort we asked for
+        (``StreamReader.events``)."""
+        async with contextlib.aclosing(self._streams.events(response, deadline, state, produced)) as events:
+            async for data in events:
                 delta = self.parse_event(data, state)
                 if delta is not None:
                     yield delta
-        except STREAM_FAILURES as exc:
-            self._raise_stream_failure(exc, state, produced())
-        finally:
-            await events.aclose()
-
-    def _raise_stream_failure(self, exc: BaseException, state: StreamState, produced: int) -> None:
-        """Map a broken or silent token stream to our errors (an abort we asked for is not a failure)."""
-        if isinstance(exc, httpx.TimeoutException):
-            raise DeadlineExceeded(
-                f"{self.label} sent nothing for {self._stream_timeout.read} s "
-                f"(engine.request_timeout_s) after {produced} tokens"
-            ) from None
-        if not state.aborted:
-            raise EngineUnavailable(
-                f"{self.label} dropped the stream after {produced} tokens: {exc or type(exc).__name__}"
-            ) from None
 
     async def send_abort(self, state: StreamState) -> None:
         """Engine-specific abort; the default is to drop the connection (vLLM, TRT-LLM)."""
@@ -490,7 +475,7 @@ class RemoteEngine:
         self.counters.extra[key] = self.counters.extra.get(key, 0) + 1
 
     def _open_stream(self, payload: dict[str, Any], deadline: float | None = None) -> StreamContext:
-        return StreamContext(self, payload, deadline)
+        return self._streams.open(payload, deadline)
 
     def _count(self, usage: Usage) -> None:
         c = self.counters

@@ -112,9 +112,10 @@ def http_error(label: str, info: EngineInfo, status: int, body: str, what: str) 
     return EngineUnavailable(f"{label} failed on {what} (HTTP {status}): {msg}")
 
 
-def stream_error(label: str, info: EngineInfo, error: Any, produced: int) -> PrimeRLError:
-    """An ``{"error": ...}`` event inside a stream (vLLM, SGLang, TRT-LLM all send one)."""
+def stream_error_status(error: Any) -> tuple[int, str]:
+    """The HTTP status and body that an ``{"error": ...}`` event inside a stream stands for (vLLM, SGLang and
+    TRT-LLM all send one): its ``code`` when that is an HTTP error status, else 500."""
     body = json.dumps({"error": error})
     code = error.get("code") if isinstance(error, dict) else None
     status = code if isinstance(code, int) and 400 <= code < 600 else 500
-    return http_error(label, info, status, body, f"the stream after {produced} tokens")
+    return status, body

@@ -40,6 +40,14 @@ skip_reading_prefix_cache``, 0.32), so each verify re-prefills the whole history
 vLLM pays off only when drafts are long relative to that prefill. Sampled turns (temperature > 0)
 decode plainly: exact rejection sampling needs p(draft token) under the processed (temperature,
 top-k/p) distribution, and prompt logprobs are raw.
+
+Scoring (``engines.scoring``, ``VllmEngine.score``)
+---------------------------------------------------
+Teacher-forced scoring goes through prompt logprobs: ``POST /v1/completions`` with the sequence as
+``prompt``, ``max_tokens = 1`` and ``prompt_logprobs = 1``; entry ``i`` of ``choices[0].prompt_logprobs``
+holds the logprob of prompt token ``i`` (and the argmax). vLLM computes prompt logprobs from the raw
+logits, so only ``temperature == 1`` is served; other temperatures and ``return_logits`` (vLLM returns
+no full logits) are UNIMPLEMENTED, naming the engine.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
+import numpy as np
 
 from core.errors import (
     Aborted,
@@ -76,7 +85,6 @@ from core.types import (
     check_token_ids,
 )
 from engines.config import VllmConfig
-from engines.http import vllm_score
 from engines.http.base import StreamState
 from engines.http.openai_compat import OpenAICompletionsEngine
 from engines.http.wire import finish_from_openai
@@ -177,8 +185,38 @@ class VllmEngine(OpenAICompletionsEngine):
         return self.capabilities if self.config.verify_drafts else self.capabilities - {Capability.DRAFT_VERIFY}
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
-        """Teacher-forced logprobs through prompt logprobs (``engines.http.vllm_score``)."""
-        return await vllm_score.score(self, request)
+        """Teacher-forced logprobs through prompt logprobs (module docstring, "Scoring")."""
+        if request.return_logits:
+            raise Unimplemented(f"{self.label} cannot return logits (vLLM reports logprobs only); ask for logprobs")
+        if request.temperature != 1.0:
+            raise Unimplemented(
+                f"{self.label} scores the raw distribution only (vLLM prompt logprobs ignore temperature); "
+                f"got temperature {request.temperature}"
+            )
+        version = self.policy_version
+        payload = {
+            "model": self.served_model_name,
+            "prompt": list(request.token_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        }
+        response = await self.request("POST", "/v1/completions", json_body=payload)
+        w = self.wire
+        body = w.obj(w.loads(response.text, "score response"), "score response")
+        choices = w.list_(body.get("choices"), "choices")
+        if len(choices) != 1:
+            raise w.fail("choices", f"has {len(choices)} entries for a request with n=1")
+        scored = w.list_(w.obj(choices[0], "choices[0]").get("prompt_logprobs"), "choices[0].prompt_logprobs")
+        if len(scored) != len(request.token_ids):
+            raise w.fail("choices[0].prompt_logprobs", f"has {len(scored)} entries for {len(request.token_ids)} tokens")
+        out = np.empty(request.scored, dtype=np.float32)
+        for j, i in enumerate(range(request.start, len(request.token_ids))):
+            where = f"choices[0].prompt_logprobs[{i}]"
+            entry = w.obj(scored[i], where).get(str(request.token_ids[i]))
+            out[j] = w.logprob(w.obj(entry, f"{where}[{request.token_ids[i]}]").get("logprob"), f"{where}.logprob")
+        return ScoreResult(out, version)
 
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
         p = request.params
