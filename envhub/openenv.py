@@ -11,8 +11,9 @@ request, as openenv-core defines them), ``/schema``, ``/metadata``, ``/health``,
   reset), ``task_id``, ``is_error`` (the tool refused), plus openenv-core's ``reward``/``done``/``metadata``;
 - ``HubState``: ``episode_id``, ``step_count``, ``env_name``, ``task_id``, ``done``, ``reward``.
 
-Errors keep the hub's vocabulary: an unknown task or bad argument -> 400, a step before reset or after the end
--> 409 (``{"error": message, "code": status name}``); a malformed action -> openenv-core's 422.
+Errors keep the hub's vocabulary, ``{"error": message, "code": gRPC status name}``, with the HTTP status of the
+error's class (the one map of ``core.errors``): an unknown task or bad argument -> 400, a step before reset or
+after the end -> 409; a malformed action -> openenv-core's 422.
 
 Using a remote one: ``OpenEnvClient(url)`` is a hub ``Environment`` over openenv-core's ``EnvClient`` (``/ws``),
 so the tool loop can drive any OpenEnv server (the URL is the operator's, not the model's: no SSRF guard).
@@ -25,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from openenv.core.client_types import StepResult as OpenEnvStep
 from openenv.core.env_client import EnvClient
 from openenv.core.env_server.http_server import create_app as openenv_create_app
@@ -35,7 +36,8 @@ from openenv.core.env_server.types import Observation as OpenEnvObservation
 from openenv.core.env_server.types import State as OpenEnvState
 from pydantic import Field
 
-from core.errors import FailedPrecondition, InvalidArgument, PrimeRLError, ToolError
+from core.errors import FailedPrecondition, InvalidArgument, PrimeRLError, ToolError, grpc_code_name
+from core.errors_http import json_error
 from core.types import Message
 from envhub.base import Environment
 from envhub.types import JSON, Action, EnvState, FinalAnswer, ResetResult, StepResult, ToolCall, ToolSpec
@@ -43,7 +45,6 @@ from envhub.types import JSON, Action, EnvState, FinalAnswer, ResetResult, StepR
 T = TypeVar("T")
 _CLOSING: set[asyncio.Task[None]] = set()  # closes scheduled on the server loop (held until done)
 MAX_SESSIONS = 64
-_HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "RESOURCE_EXHAUSTED": 429}
 
 
 class HubAction(OpenEnvAction):
@@ -107,7 +108,7 @@ def _messages(items: list[dict[str, str]]) -> tuple[Message, ...]:
 def _coded(e: PrimeRLError) -> PrimeRLError:
     """The same error with its status name in the message: openenv-core's ``/ws`` sends the message only."""
     out = PrimeRLError(f"{e.code}: {e}")
-    out.code = e.code
+    out.code, out.http_status = e.code, e.http_status
     return out
 
 
@@ -176,9 +177,8 @@ def create_app(factory: Callable[[], Environment], name: str = "envhub") -> Fast
         lambda: HubEnvironment(factory()), HubAction, HubObservation, env_name=name, max_concurrent_envs=MAX_SESSIONS
     )
 
-    async def hub_error(_: Request, exc: Exception) -> JSONResponse:
-        code = exc.code if isinstance(exc, PrimeRLError) else "INTERNAL"
-        return JSONResponse({"error": str(exc), "code": code}, status_code=_HTTP_STATUS.get(code, 503))
+    async def hub_error(_: Request, exc: Exception) -> Response:
+        return json_error(exc, {"error": str(exc), "code": grpc_code_name(exc)})
 
     app.add_exception_handler(PrimeRLError, hub_error)
     return app

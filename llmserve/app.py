@@ -4,7 +4,9 @@
 ``/reset``, ``/step``, ``/state`` (stateless over HTTP), ``/ws`` (stateful sessions), ``/metadata``,
 ``/health``, ``/schema`` and ``/mcp`` (and ``/web``, with ``GET /demo`` pointing there, when
 ``ENABLE_WEB_INTERFACE=true``). Errors: an unknown task -> 422 listing the tasks; a step on a
-finished episode -> 409; a log that does not grade -> 422.
+finished episode -> 409; a log that does not grade -> 422; an error of the tree (``core.errors``) -> its
+class's HTTP status (the one map every app uses). Bodies are ``{"detail": message}`` (plus ``tasks`` for an
+unknown task).
 
 ``GET /baseline`` grades random and heuristic on seeds 0-2 of every task (deterministic);
 ``GET /baseline?use_openai=true`` adds the ``llm`` agent's rows (``llmserve/llm.py``: a chat model
@@ -25,6 +27,8 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from openenv.core.env_server.http_server import create_app
 from pydantic import BaseModel, Field
 
+from core.errors import PrimeRLError
+from core.errors_http import json_error
 from llmserve.agents import make_agent
 from llmserve.env import EpisodeArchive, EpisodeFinishedError, EpisodeNotStartedError, LLMServeEnvironment
 from llmserve.grader import EpisodeLogError, grade, run_agent
@@ -103,9 +107,14 @@ def build_app(archive: EpisodeArchive | None = None) -> FastAPI:
     async def finished(_: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
+    async def coded(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, PrimeRLError)
+        return json_error(exc, {"detail": exc.message})
+
     app.add_exception_handler(UnknownTaskError, unknown_task)
     app.add_exception_handler(EpisodeFinishedError, finished)
     app.add_exception_handler(EpisodeNotStartedError, finished)
+    app.add_exception_handler(PrimeRLError, coded)
 
     @app.get("/tasks", tags=["LLMServeEnv"])
     def tasks() -> dict[str, Any]:

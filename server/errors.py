@@ -1,15 +1,13 @@
-"""The map from the bridge's errors to gRPC status codes; the one place where it lives.
+"""The bridge's gRPC map: the error tree of ``core.errors`` and ``status_code``, re-exported for the server.
 
-The error tree itself is ``core.errors`` (the lowest layer, so that every library package
-can raise it without importing ``server``). Each class there names its status as a string;
-``status_code`` turns that string into a ``grpc.StatusCode``. Anything that is not a
-``PrimeRLError`` is a bug and maps to INTERNAL. The classes are re-exported here for the
-server's own modules; library packages import them from ``core.errors``.
+The tree (the lowest layer, so that every library package can raise it without importing ``server``) names
+each class's gRPC code and HTTP status; ``core.errors_grpc`` is the one place that turns it into a
+``grpc.StatusCode``, shared by every gRPC app (the bridge, the verifier, the control plane). Anything that
+is not a ``PrimeRLError`` is a bug and maps to INTERNAL. Library packages import the classes from
+``core.errors``.
 """
 
 from __future__ import annotations
-
-import grpc
 
 from core.errors import (
     Aborted,
@@ -29,6 +27,7 @@ from core.errors import (
     Unauthenticated,
     Unimplemented,
 )
+from core.errors_grpc import grpc_status as status_code
 
 __all__ = [
     "Aborted",
@@ -49,10 +48,3 @@ __all__ = [
     "Unimplemented",
     "status_code",
 ]
-
-
-def status_code(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status for ``exc``: its class's code for a ``PrimeRLError``, INTERNAL for anything else."""
-    if isinstance(exc, PrimeRLError):
-        return grpc.StatusCode[exc.code]
-    return grpc.StatusCode.INTERNAL

@@ -12,8 +12,10 @@
 ==========================================  ==================================================================
 
 Errors are ``{"error": {"code", "message", "fields"?}}`` with 400 for bad input (``fields`` names each
-bad field, e.g. ``trajectory.logprobs``), 404 for an unknown entry or route, 422 for a grader that
-failed, 504 for a grader past its deadline, 503 when the database refused an append.
+bad field, e.g. ``trajectory.logprobs``), 404 for an unknown entry or route, 409 when the verifier cannot
+serve it as it is (no ``--bridge``, a log that contradicts itself), 422 for a grader that failed, 504 for a
+grader past its deadline, 503 when the database refused an append: ``code`` is the error's gRPC code and
+the status its class's HTTP status (the one map of ``core.errors``).
 """
 
 from __future__ import annotations
@@ -29,16 +31,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.errors import PrimeRLError
+from core.errors_http import json_error
 from verifier.service import BatchRequest, ScoreRequest, Verifier, summary, validation_fields
-
-_STATUS = {
-    "INVALID_ARGUMENT": 400,
-    "NOT_FOUND": 404,
-    "FAILED_PRECONDITION": 422,
-    "RESOURCE_EXHAUSTED": 429,
-    "UNAVAILABLE": 503,
-    "DEADLINE_EXCEEDED": 504,
-}
 
 
 class _Inclusion(BaseModel):
@@ -62,7 +56,7 @@ def _error(status: int, code: str, message: str, fields: list[dict[str, str]] | 
 
 async def _primerl_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, PrimeRLError)
-    return _error(_STATUS.get(exc.code, 500), exc.code, exc.message)
+    return json_error(exc, {"error": {"code": exc.code, "message": exc.message}})
 
 
 async def _validation_error(_: Request, exc: Exception) -> Response:

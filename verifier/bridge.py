@@ -12,17 +12,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from core.errors import FailedPrecondition, PrimeRLError
+from core.errors import FailedPrecondition, PrimeRLError, error_class
 from rl_client import AsyncBridgeClient, BridgeError
 from rl_client.types import Trajectory as BridgeTrajectory
 
 
 class BridgeRefused(PrimeRLError):
-    """The bridge answered EndEpisode with an error: its status is this item's (NOT_FOUND for an unknown episode)."""
+    """The bridge answered EndEpisode with an error: its status is this item's (NOT_FOUND for an unknown episode),
+    with the HTTP status of that code's class (``core.errors.error_class``)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+        self.http_status = error_class(code).http_status
 
 
 def verifier_trajectory(t: BridgeTrajectory) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Same semantics as the HTTP JSON surface (``app.py``), through the same ``ScoreRequest`` validation: a bad
 field is INVALID_ARGUMENT with the message HTTP would put in its 400 (``trajectory.logprobs: ...``), and
-every ``PrimeRLError`` keeps its status (NOT_FOUND, FAILED_PRECONDITION, DEADLINE_EXCEEDED, UNAVAILABLE).
+every ``PrimeRLError`` keeps its status (NOT_FOUND, FAILED_PRECONDITION, DEADLINE_EXCEEDED, UNAVAILABLE: the one
+map of ``core.errors``, sent through ``core.errors_grpc``); anything else is a bug, INTERNAL without its detail.
 A ``ScoreBatch`` item fails alone, with the code and message a single ``Score`` would have failed with.
 An item's grader deadline is the smallest of the service's ``grader_timeout_s``, the item's ``timeout_s``
 and what is left of the call's gRPC deadline.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +23,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
-from core.errors import InvalidArgument, PrimeRLError
+from core.errors import InvalidArgument, PrimeRLError, grpc_code_name
+from core.errors_grpc import abort
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import verifier_pb2 as vpb
 from proto.primerl.v1 import verifier_pb2_grpc as vpb_grpc
@@ -29,6 +32,7 @@ from rl_client.types import Trajectory as BridgeTrajectory
 from verifier.bridge import verifier_trajectory
 from verifier.service import ScoreRequest, ScoreResult, Verifier, validation_fields
 
+log = logging.getLogger("primerl.verifier")
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
@@ -116,9 +120,12 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
         return out
 
     async def Score(self, request: vpb.ScoreRequest, context: grpc.aio.ServicerContext) -> vpb.ScoreResponse:
-        (result,) = await self._score([request], context)
+        try:
+            (result,) = await self._score([request], context)
+        except Exception as exc:  # noqa: BLE001 - the whole call failed (the log refused the append), or a bug
+            await abort(context, exc, log)
         if isinstance(result, PrimeRLError):
-            await context.abort(grpc.StatusCode[result.code], result.message)
+            await abort(context, result, log)
         assert isinstance(result, vpb.ScoreResponse)
         return result
 
@@ -128,10 +135,14 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
         n, most = len(request.items), self.verifier.config.max_batch_items
         if not 1 <= n <= most:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"items: {n} items, expected 1 to {most}")
+        try:
+            scored = await self._score(request.items, context)
+        except Exception as exc:  # noqa: BLE001 - the whole call failed (the log refused the append), or a bug
+            await abort(context, exc, log)
         results = []
-        for r in await self._score(request.items, context):
+        for r in scored:
             if isinstance(r, PrimeRLError):
-                results.append(vpb.ScoreItemResult(error=vpb.ScoreError(code=r.code, message=r.message)))
+                results.append(vpb.ScoreItemResult(error=vpb.ScoreError(code=grpc_code_name(r), message=r.message)))
             else:
                 results.append(vpb.ScoreItemResult(scored=r))
         return vpb.ScoreBatchResponse(results=results)

@@ -5,7 +5,8 @@ It holds no state of its own: ``placement.registry`` in Redis is the truth, so a
 replicas may run and one that restarts loses nothing. Admin operations change the registry and bridges converge
 at their next heartbeat (``server.fleet.member``); a fleet-wide weight update is run by a live bridge of the
 model (forwarded there with the caller's metadata), because bridges drain their own turns. Errors: bad input
-INVALID_ARGUMENT naming the field, unknown model or replica NOT_FOUND, Redis unreachable UNAVAILABLE.
+INVALID_ARGUMENT naming the field, unknown model or replica NOT_FOUND, Redis unreachable UNAVAILABLE (the codes of
+``core.errors``, sent through ``core.errors_grpc``); a bug is INTERNAL without its detail, logged.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from core.errors import grpc_code_name
+from core.errors_grpc import abort
 from observability.fleet import ControlMetrics
 from observability.metrics import MetricsEndpoint
 from placement.registry import BridgeRecord, FleetConfig, FleetStore, ModelRecord, ReplicaRecord
 from proto.primerl.v1 import control_pb2 as cpb
 from proto.primerl.v1 import control_pb2_grpc as cpb_grpc
 from proto.primerl.v1 import primerl_pb2 as pb
-from server.errors import InvalidArgument, NotFound, PrimeRLError, status_code
+from server.errors import InvalidArgument, NotFound
 from server.fleet.forward import Route, default_forwarder
 
 log = logging.getLogger("primerl.control")
@@ -82,9 +85,9 @@ class ControlService(cpb_grpc.ControlServicer):
     async def _run(self, method: str, context: grpc.aio.ServicerContext, work: Any) -> Any:
         try:
             result = await work
-        except PrimeRLError as exc:
-            self.metrics.requests.labels(method, status_code(exc).name).inc()
-            await context.abort(status_code(exc), exc.message)
+        except Exception as exc:  # noqa: BLE001 - a PrimeRLError: its code; anything else: INTERNAL (a bug, logged)
+            self.metrics.requests.labels(method, grpc_code_name(exc)).inc()
+            await abort(context, exc, log)
         self.metrics.requests.labels(method, "OK").inc()
         return result
 

@@ -1,13 +1,13 @@
-"""The map from the bridge's errors to HTTP status and OpenAI's error JSON; the one place where it lives.
+"""The front door's errors as OpenAI's error JSON, with the status of the one HTTP map (``core.errors``).
 
-The error tree is ``core.errors`` (each class names its gRPC code); this module turns that code into
-an HTTP status and the body OpenAI clients parse::
+Each class of the error tree names its HTTP status (``core.errors.http_status``); this module writes the body
+OpenAI clients parse::
 
     {"error": {"message": str, "type": str, "param": str | null, "code": int}}
 
-``code`` is the HTTP status, as vLLM sends it. A request body that does not validate is a 400 whose
-``param`` names the field (``error_for_validation``); anything that is not a ``PrimeRLError`` is a bug,
-logged with its traceback and answered 500 without detail.
+``code`` is the HTTP status, as vLLM sends it; ``type`` follows the status (``core.errors_http``). A request
+body that does not validate is a 400 whose ``param`` names the field (``error_for_validation``); anything that
+is not a ``PrimeRLError`` is a bug, logged with its traceback and answered 500 without detail.
 """
 
 from __future__ import annotations
@@ -19,24 +19,10 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from core.errors import InvalidArgument, PrimeRLError
+from core.errors import InvalidArgument, PrimeRLError, http_status
+from core.errors_http import json_error, openai_error_type
 
 log = logging.getLogger("primerl.server.http")
-
-# gRPC code name -> (HTTP status, OpenAI error type).
-STATUS: dict[str, tuple[int, str]] = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "UNAUTHENTICATED": (401, "authentication_error"),
-    "PERMISSION_DENIED": (403, "permission_error"),
-    "NOT_FOUND": (404, "not_found_error"),
-    "FAILED_PRECONDITION": (409, "conflict_error"),
-    "ABORTED": (409, "conflict_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "UNIMPLEMENTED": (501, "not_implemented_error"),
-    "UNAVAILABLE": (503, "service_unavailable_error"),
-    "DEADLINE_EXCEEDED": (504, "timeout_error"),
-}
-INTERNAL = (500, "internal_error")
 
 
 class BadParam(InvalidArgument):
@@ -50,14 +36,13 @@ class BadParam(InvalidArgument):
 class BodyTooLarge(InvalidArgument):
     """The request body is larger than ``http.max_body_bytes`` (413, not 400)."""
 
+    http_status = 413
+
 
 def status_of(exc: BaseException) -> tuple[int, str]:
     """HTTP status and OpenAI error type of ``exc``."""
-    if isinstance(exc, BodyTooLarge):
-        return 413, "invalid_request_error"
-    if isinstance(exc, PrimeRLError):
-        return STATUS.get(exc.code, INTERNAL)
-    return INTERNAL
+    status = http_status(exc)
+    return status, openai_error_type(status)
 
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
@@ -73,12 +58,7 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 
 def error_response(exc: BaseException) -> JSONResponse:
-    status, body = error_body(exc)
-    headers = {}
-    retry = getattr(exc, "retry_after_s", None)
-    if retry is not None:
-        headers["retry-after"] = str(max(1, round(retry)))
-    return JSONResponse(body, status_code=status, headers=headers)
+    return json_error(exc, error_body(exc)[1])
 
 
 def error_event(exc: BaseException) -> str:
