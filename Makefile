@@ -66,11 +66,11 @@ dev-loop: setup
 
 # The main job on the embedded SmolLM2: first one 3-turn chat episode through a bridge, printed turn by turn
 # (token ids, text, logprobs; examples/demo.py, ~20 s), then GRPO training through the bridge with a per-step
-# log line, metrics.jsonl and a reward-curve PNG, bounded by max_minutes (primerl rl @ examples/grpo.toml; --bench
-# records its timings in bench/RESULTS.md as examples/grpo_train.py did).
+# log line, metrics.jsonl and a reward-curve PNG, bounded by max_minutes (bench/rl.py: primerl rl @ examples/grpo.toml
+# --bench, then its timings recorded in bench/RESULTS.md as examples/grpo_train.py did).
 run: setup
 	$(PY) examples/demo.py
-	$(PY) -m server rl @ examples/grpo.toml --bench
+	$(PY) -m bench.rl @ examples/grpo.toml
 
 demo-chat: setup
 	$(PY) examples/demo.py

@@ -28,7 +28,8 @@ from bench._common import pct, record
 from placement.mig.catalog import maximal_layouts
 from placement.mig.config import ModelsFile, PlannerOptions
 from placement.mig.heuristic import solve_heuristic
-from placement.mig.solver import Solution, build_problem, solve_exact
+from placement.mig.problem import Solution, build_problem
+from placement.mig.solver import solve_exact
 
 RUNS = 5  # timed plans of the 1,024-GPU fleet; the median is the figure
 

@@ -149,12 +149,13 @@ def run_rl(cfg: RLConfig) -> int:
         plot(algo.history, algo.out / "reward_curve.png", f"SmolLM2-135M, {cfg.algorithm} through the bridge")
         log.info("reward curve: %s", algo.out / "reward_curve.png")
     if cfg.bench:
-        _bench_summary(algo, cfg, time.perf_counter() - t0)
+        _bench_summary(algo, time.perf_counter() - t0)
     return 0
 
 
-def _bench_summary(algo: Any, cfg: RLConfig, wall_s: float) -> None:
-    """``--bench``: timing figures to ``bench.json``, and to ``bench/RESULTS.md`` from a source checkout."""
+def _bench_summary(algo: Any, wall_s: float) -> None:
+    """``--bench``: timing figures to ``<out_dir>/bench.json`` (with the per-step rows) and stdout; ``bench/rl.py``
+    (``make run``) records them in ``bench/RESULTS.md``."""
     rows = algo.history
     mean = lambda k, rs=rows: sum(r.get(k, 0.0) for r in rs) / max(1, len(rs))  # noqa: E731
     k = max(1, min(5, len(rows) // 2))
@@ -167,32 +168,8 @@ def _bench_summary(algo: Any, cfg: RLConfig, wall_s: float) -> None:
         "reward_last": mean("reward", rows[-k:]),
         "wall_s": wall_s,
     }
-    (algo.out / "bench.json").write_text(json.dumps(figures, indent=1))
+    (algo.out / "bench.json").write_text(json.dumps(figures | {"per_step": rows}, indent=1))
     print(json.dumps(figures))
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "bench" / "_common.py").is_file():
-        return
-    sys.path.insert(0, str(root))
-    from bench._common import record
-
-    mode = f"async (max_async_level={cfg.max_async_level})" if cfg.max_async_level else "sync"
-    record(
-        f"rl_{cfg.algorithm}_{'async' if cfg.max_async_level else 'sync'}",
-        f"primerl rl ({cfg.algorithm}, {mode}, {cfg.rollout.num_prompts}x{cfg.rollout.group_size} episodes/step)",
-        [
-            ("steps run", str(len(rows)), f"<= {cfg.max_steps}"),
-            (
-                f"mean reward, first {k} -> last {k} steps",
-                f"{figures['reward_first']:.3f} -> {figures['reward_last']:.3f}",
-                "",
-            ),
-            ("rollout time / step (mean)", f"{figures['rollout_s_mean']:.1f} s", ""),
-            ("train time / step incl. weight push (mean)", f"{figures['train_s_mean']:.1f} s", ""),
-            ("generated tokens/s during rollouts (mean)", f"{figures['tokens_per_s_mean']:.1f}", ""),
-            ("wall time incl. bridge start", f"{wall_s / 60:.1f} min", ""),
-        ],
-        figures | {"per_step": rows},
-    )
 
 
 def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:

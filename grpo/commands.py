@@ -1,4 +1,5 @@
-"""The ``primerl`` subcommands ``grpo.cli`` serves, without importing it (``primerl serve`` stays free of torch)."""
+"""The ``primerl`` subcommands ``grpo.cli`` serves, named without importing it (``primerl serve`` stays free of
+torch); ``server.cli`` imports ``grpo.cli.run_command`` only when one of them runs."""
 
 from __future__ import annotations
 
@@ -17,11 +18,4 @@ def add_rl_parsers(sub: Any) -> None:
         sub.add_parser(name, help=text, add_help=False)
 
 
-def run_rl_command(command: str, argv: list[str]) -> int:
-    """``primerl rl | trainer | orchestrator``: ``grpo.cli``, imported now."""
-    from grpo.cli import run_command
-
-    return run_command(command, argv)
-
-
-__all__ = ["COMMANDS", "add_rl_parsers", "run_rl_command"]
+__all__ = ["COMMANDS", "add_rl_parsers"]

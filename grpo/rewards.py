@@ -7,6 +7,9 @@
   inside each group (front 0 = dominated by nobody; every objective is maximised), crowding distance as the
   tie-break inside a front; a better front always scores higher than a worse one.
 
+A group is the trajectories sharing a ``group``; those that carry none (no attribute, or ``None``) form one
+group together: the batch, when no trajectory carries one.
+
 The reward functions are the project's one grader system: any ``envhub.Grader`` (an ``envhub.Rubric`` of
 ``grpo.rater`` functions, for instance) is a callable from a trajectory to a float and fits here.
 """
@@ -103,10 +106,12 @@ def relative_ranks(rewards: npt.ArrayLike) -> FloatArray:
     return (rankdata(r, method="average") - 1.0) / (r.size - 1)
 
 
-def _by_group(trajectories: Sequence[Any]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
+def _by_group(trajectories: Sequence[Any]) -> dict[int | None, list[int]]:
+    """Indices per ``group``; the members without one (no ``group`` or ``None``) form one group: the batch."""
+    groups: dict[int | None, list[int]] = {}
     for i, t in enumerate(trajectories):
-        groups.setdefault(int(getattr(t, "group", i)), []).append(i)
+        group = getattr(t, "group", None)
+        groups.setdefault(None if group is None else int(group), []).append(i)
     return groups
 
 
@@ -134,7 +139,10 @@ class RewardComputer:
         return np.array([[float(f(t)) for f in self.objective_functions] for t in trajectories], dtype=np.float64)
 
     def compute_rewards(self, trajectories: Sequence[Any], method: Method = "absolute") -> FloatArray:
-        """One reward per trajectory; ``relative`` and ``pareto`` compare members of the same ``group``."""
+        """One reward per trajectory; ``relative`` and ``pareto`` compare members of the same ``group``.
+
+        Trajectories that carry no ``group`` are compared with each other, as one group.
+        """
         if method == "absolute":
             return np.array([float(self.reward_fn(t)) for t in trajectories], dtype=np.float64)
         out = np.zeros(len(trajectories))

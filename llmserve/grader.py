@@ -18,7 +18,8 @@ from functools import lru_cache
 
 from pydantic import ValidationError
 
-from llmserve.agents import Agent, make_agent
+from llmserve.agents import make_agent
+from llmserve.baselines import Agent
 from llmserve.episode import Episode
 from llmserve.models import EpisodeLog, ServeAction, action_fields
 from llmserve.tasks import get_task

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from llmserve.agents import HeuristicAgent
+from llmserve.baselines import HeuristicAgent
 from llmserve.models import ServeAction, ServeObservation
 
 if TYPE_CHECKING:

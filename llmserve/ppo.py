@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmserve.agents import HeuristicAgent
+from llmserve.baselines import HeuristicAgent
 from llmserve.episode import Episode
 from llmserve.models import ServeAction, ServeObservation
 from llmserve.profiles import QuantTier

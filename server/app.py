@@ -195,6 +195,27 @@ async def _drop_leases(journal: EpisodeJournal, worker: WorkerSlot) -> None:
     log.info("dropped %d Step lease(s) that crashed worker %d held", dropped, worker.index)
 
 
+def _interceptors(
+    settings: Settings,
+    tenants: dict[str, str],
+    telemetry: TelemetryInterceptor,
+    worker: WorkerSlot | None,
+    fleet_routing: FleetOwnerInterceptor | None,
+) -> list[grpc.aio.ServerInterceptor]:
+    """The bridge's interceptors, outermost first."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [telemetry]
+    if tenants:  # outermost is telemetry, so refused calls are counted too
+        interceptors.append(AuthInterceptor(tenants, settings.auth.admin_tenants))
+        log.info("authentication on: %d token(s), admin tenants %s", len(tenants), settings.auth.admin_tenants)
+    else:
+        log.info("authentication off: any client may call the bridge (configure auth.* to require tokens)")
+    if worker is not None:  # innermost: a forwarded call is authenticated here and again by its owner
+        interceptors.append(worker.interceptor(settings.persistence.enabled))
+    if fleet_routing is not None:  # innermost too: a Step for another bridge's episode goes to that bridge
+        interceptors.append(fleet_routing)
+    return interceptors
+
+
 async def create_server(
     settings: Settings,
     engines: Sequence[Engine] | None = None,
@@ -235,16 +256,8 @@ async def create_server(
     limit = settings.server.max_message_bytes
     tenants = load_tenants(settings.auth)
     credentials = server_credentials(settings.tls)
-    interceptors: list[grpc.aio.ServerInterceptor] = [TelemetryInterceptor(metrics, tracing)]
-    if tenants:  # outermost is telemetry, so refused calls are counted too
-        interceptors.append(AuthInterceptor(tenants, settings.auth.admin_tenants))
-        log.info("authentication on: %d token(s), admin tenants %s", len(tenants), settings.auth.admin_tenants)
-    else:
-        log.info("authentication off: any client may call the bridge (configure auth.* to require tokens)")
-    if worker is not None:  # innermost: a forwarded call is authenticated here and again by its owner
-        interceptors.append(worker.interceptor(settings.persistence.enabled))
-    if settings.fleet.enabled:  # innermost too: a Step for another bridge's episode goes to that bridge
-        interceptors.append(FleetOwnerInterceptor(bridge, settings.persistence.enabled))
+    fleet_routing = FleetOwnerInterceptor(bridge, settings.persistence.enabled) if settings.fleet.enabled else None
+    interceptors = _interceptors(settings, tenants, TelemetryInterceptor(metrics, tracing), worker, fleet_routing)
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     options += worker.server_options() if worker is not None else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
@@ -258,8 +271,9 @@ async def create_server(
         raise OSError(f"cannot bind {settings.server.host}:{settings.server.port}")
     if worker is not None:
         worker.attach(server, bridge.store)
-    if settings.fleet.enabled:
-        bridge.fleet = join_fleet(settings, bridge.info.model, port)
+    if fleet_routing is not None:  # the bridge joins the fleet once its port is bound
+        bridge.attach_fleet(member := join_fleet(settings, bridge, port))
+        fleet_routing.join(member)
     endpoint = MetricsEndpoint(metrics.registry, settings.server.host, settings.metrics.port)
     http = None
     if settings.http.port:

@@ -9,7 +9,8 @@ testable without sockets. The bridge composes the parts that each own one concer
 - ``server.turns``: one turn (open, stream the engine into the episode, close);
 - ``server.steps``: an accepted Step (``StepHandle``) and the env tool loop;
 - ``server.weights``: weight updates and the policy version;
-- ``server.fleet.member`` (optional): the fleet's one policy version per model, adopted before each turn.
+- ``server.replicas``: which replicas are in rotation, and the replica API the fleet calls (``Bridge.replicas``);
+- ``server.membership`` (optional): the fleet's one policy version per model, adopted before each turn.
 
 A Step: ``prepare_step`` validates everything first (nothing is written for a bad request), admits,
 routes and opens the turn, and returns a ``StepHandle``; the caller streams ``handle.updates()`` and
@@ -25,7 +26,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from cache import CacheConfig
 from core.salt import salt_text
@@ -41,15 +41,14 @@ from server.envsession import EnvSession, check_env_name, close_all, open_env_se
 from server.episodes import Episode, EpisodeStore
 from server.errors import DeadlineExceeded, EpisodeBusy, InvalidArgument
 from server.journaled import JournaledStore
+from server.membership import FleetMembership
 from server.persistence import EpisodeJournal
+from server.replicas import Replicas
 from server.steps import StepHandle
 from server.turns import Turns
 from server.weights import Weights
 from speculation.config import SpeculationConfig
 from speculation.factory import SpeculationFactory
-
-if TYPE_CHECKING:  # the membership imports the bridge
-    from server.fleet.member import FleetMember
 
 log = logging.getLogger("primerl.server")
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -88,13 +87,13 @@ class Bridge:
         self.speculation = self._speculation(speculation)
         self.turns = Turns(self.engines, self.router, self.metrics, self.speculation, admission.max_tokens_per_episode)
         self.weights = Weights(self.engines, self.mark_replica)
+        self.replicas = Replicas(self.engines, self.router, self.turns, self.weights)  # the fleet's replica API
         self._serving = asyncio.Event()  # cleared by pause(): new Steps wait for resume()
         self._serving.set()
         self.envhub = envhub or EnvHubConfig()
         self._envs: dict[str, EnvSession] = {}  # episode id -> its environment (episodes started with env)
         self.journal = journal  # episode persistence (None: episodes live in this process only)
-        self.fleet: FleetMember | None = None  # fleet membership (join_fleet); None: this bridge's own version
-        self.withdrawn: dict[int, str] = {}  # replica -> why it is out of rotation for good (drained, removed)
+        self.fleet: FleetMembership | None = None  # fleet membership (attach_fleet); None: its own version
         self.episodes = JournaledStore(
             self.store,
             journal,
@@ -136,14 +135,18 @@ class Bridge:
 
     def _fleet_version(self) -> int:
         """The version staleness is measured against: the fleet's when this bridge is in one."""
-        fleet = self.fleet.record.version if self.fleet is not None else 0
+        fleet = self.fleet.version if self.fleet is not None else 0
         return max(self.weights.version, fleet)
+
+    def attach_fleet(self, fleet: FleetMembership) -> None:
+        """Join a fleet (before ``start``): versions, weight updates and replicas are then the fleet's."""
+        self.fleet = fleet
 
     async def start(self) -> None:
         """Start background work (the shared load board of a Redis index; the fleet membership)."""
         self.router.start()
         if self.fleet is not None:
-            await self.fleet.start(self)
+            await self.fleet.start()
 
     @staticmethod
     def _salt(tenant: str, model: str, version: int) -> str:
@@ -151,10 +154,8 @@ class Bridge:
         return salt_text(model, version, tenant)
 
     def mark_replica(self, replica: int, healthy: bool, reason: str = "") -> None:
-        """Take a replica out of rotation (a call failed, a health check did) or bring it back."""
-        if healthy and replica in self.withdrawn:  # drained, removed or failed elsewhere in the fleet: stays out
-            healthy, reason = False, self.withdrawn[replica]
-        self.router.mark(replica, healthy, reason)
+        """Take a replica out of rotation (a call failed, a health check did) or bring it back (``Replicas.mark``)."""
+        self.replicas.mark(replica, healthy, reason)
 
     async def _forget(self, episode: Episode) -> None:
         """Drop an ended episode's routing state (and its group's, with its last member)."""
@@ -298,16 +299,15 @@ class Bridge:
             handle = self._validated_step(req, leased, deadline)
             handle.episode.busy = True  # validated: from here on the episode changes, and the turn is always closed
             episode = handle.episode
+            # The turn's one salt: routed with here, carried by its engine request (``Turns.open``).
+            handle.salt_version = self.policy_version
+            handle.salt = self._salt(episode.tenant, episode.model, handle.salt_version)
             await self.router.route(
-                episode,
-                handle.observation,
-                handle.params.max_tokens,
-                self._salt(episode.tenant, episode.model, self.policy_version),
-                episode.routing_group,
+                episode, handle.observation, handle.params.max_tokens, handle.salt, episode.routing_group
             )
             if handle.session is None:
                 handle.turn, handle.turn_params = self.turns.open(
-                    episode, handle.observation, handle.params, handle.step_seed
+                    episode, handle.observation, handle.params, handle.step_seed, handle.salt, handle.salt_version
                 )
             return handle
         except BaseException:

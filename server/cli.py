@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -14,13 +13,13 @@ from engines.config import EngineType
 from engines.launch import add_engine_parser, run_engine_command
 from evals.cli import add_eval_parser, run_eval_command
 from grpo.commands import COMMANDS as RL_COMMANDS
-from grpo.commands import add_rl_parsers, run_rl_command
+from grpo.commands import add_rl_parsers
 from llmserve.cli import add_llmserve_parser, run_llmserve
 from placement.mig.cli import add_placement_parser, run_placement
 from sandbox.check import add_sandbox_parser, run_sandbox
 from server.config import ENV_ALIASES, Settings
 from server.fleet.cli import add_control_parser, add_replicas_parser, run_control, run_replicas
-from server.requestid import RequestIdFilter
+from server.requestid import configure_logging
 from verifier.cli import add_verifier_parser, run_verifier
 
 
@@ -129,21 +128,14 @@ def _hash_token(args: argparse.Namespace) -> int:
     return 0
 
 
-def configure_logging(level: str, tag: str = "") -> None:
-    """The bridge's log format (``tag``: what names this process, e.g. a bridge worker's index)."""
-    logging.basicConfig(
-        level=level.upper(), format=f"%(asctime)s %(levelname)s {tag}%(name)s [%(request_id)s]: %(message)s"
-    )
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RequestIdFilter())  # every record gets the request id of the RPC it was logged in
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own flags (bench/matrix.py), passed through
         return _bench(argv[1:])
-    if argv[:1] and argv[0] in RL_COMMANDS:  # layered config (@ FILE, --section.key): grpo.cli
-        return run_rl_command(argv[0], argv[1:])
+    if argv[:1] and argv[0] in RL_COMMANDS:  # layered config (@ FILE, --section.key): grpo.cli, imported now (torch)
+        from grpo.cli import run_command
+
+        return run_command(argv[0], argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "serve":  # only serve takes layered-config tokens (@ FILE, --section.key)
@@ -184,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             if settings.server.workers > 1:  # the parent of N bridge processes (server.fleet.workers)
                 from server.fleet.workers import run_workers
 
-                return run_workers(settings, args.log_level)
+                return run_workers(settings, serve, args.log_level)
             asyncio.run(serve(settings))
         except (PrimeRLError, OSError) as exc:
             print(f"primerl: cannot start the bridge: {exc}", file=sys.stderr)

@@ -36,6 +36,9 @@ class Turn:
     started: float = field(default_factory=time.perf_counter)
     latency_ms: float = 0.0
     ttft_ms: float = 0.0
+    # The prefix-cache salt its engine request carries (``core.salt``), built once per turn: the one it was routed
+    # with. Not persisted: a closed turn needs none.
+    cache_salt: str = field(default="", compare=False)
 
 
 @dataclass(eq=False, slots=True)

@@ -4,7 +4,7 @@
 id is the client's ``x-request-id`` metadata when it sends one, else a fresh random id. It lives in a
 ``ContextVar``, so everything running for the call (the handler, the bridge, engine adapters) sees it
 without passing it along, and the id an operator finds in a log line is the one in the trace and in
-the engine's own request log.
+the engine's own request log. ``configure_logging`` sets a process's log format, the id on every line.
 """
 
 from __future__ import annotations
@@ -44,3 +44,12 @@ class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = current_request_id.get() or "-"
         return True
+
+
+def configure_logging(level: str, tag: str = "") -> None:
+    """The bridge's log format (``tag``: what names this process, e.g. a bridge worker's index)."""
+    logging.basicConfig(
+        level=level.upper(), format=f"%(asctime)s %(levelname)s {tag}%(name)s [%(request_id)s]: %(message)s"
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())  # every record gets the request id of the RPC it was logged in

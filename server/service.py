@@ -85,6 +85,13 @@ def _env_status(o: EnvOutcome) -> pb.EnvStatus:
     return status
 
 
+def _turn_tail(token_ids: Sequence[int], turn: Turn, streamed: int) -> Sequence[int]:
+    """The last turn's sampled tokens that a Step which streamed ``streamed`` tokens sent, read from the episode
+    (``token_ids``): the Step's tokens end with the turn's, so this is the tail of what the Step streamed, and
+    slicing it touches the turn only, never what the Step or the episode held before."""
+    return token_ids[turn.end - min(turn.end - turn.generation_start, streamed) : turn.end]
+
+
 def _usage(turn: Turn) -> pb.Usage:
     u = turn.usage
     return pb.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, generated_tokens=u.generated_tokens)
@@ -145,12 +152,14 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             tenant=self._tenant(context),
             deadline_s=context.time_remaining(),
         )
-        ids: list[int] = []  # every token of the Step so far (several turns when an env's tool loop runs)
-        pending = 0  # how many of them are not sent yet
+        # The Step's tokens not sent yet: all of them for a unary Step, what arrived since the last chunk for a
+        # streamed one (which may run for a whole trajectory: an env's tool loop samples several turns).
+        ids: list[int] = []
         logprobs: list[float] = []
         raw: list[float] = []  # raw (temperature-1) logprobs, sent only if the engine reports them
         raw_seen = False
         origins: list[int] = []
+        streamed = 0  # tokens of the Step so far, sent or not
         last_sent = 0.0
         try:
             handle = await self.bridge.prepare_step(req)
@@ -161,7 +170,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         try:
             await context.send_initial_metadata(ACCEPTED_METADATA)  # accepted: the client's retry policy stops
             async for u in updates:
-                if u.last and u.turn is not None and not ids:  # the whole Step in one update (most unary Steps)
+                if u.last and u.turn is not None and not streamed:  # the whole Step in one update (most unary Steps)
                     yield self._whole(u, u.turn)
                     continue
                 ids.extend(u.token_ids)
@@ -169,25 +178,23 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                 raw_seen = raw_seen or bool(u.raw_logprobs)
                 raw.extend(u.raw_logprobs if len(u.raw_logprobs) == len(u.token_ids) else [math.nan] * len(u.token_ids))
                 origins.extend(u.origins)
-                pending += len(u.token_ids)
+                streamed += len(u.token_ids)
                 if u.turn is None or not u.last:
-                    if not request.stream or not pending:
+                    if not request.stream or not ids:
                         continue
                     now = time.perf_counter()
                     if now - last_sent < self.stream_interval_s:
                         continue  # coalesce: tokens are arriving faster than chunks are worth sending
                     last_sent = now
-                start = len(ids) - pending
                 turn = u.turn if u.last else None
-                # The last turn's sampled tokens are the tail of what this Step streamed.
-                turn_ids = ids[max(0, len(ids) - (turn.end - turn.generation_start)) :] if turn is not None else []
-                chunk = self._chunk(ids[start:], logprobs[start:], origins[start:], turn, turn_ids)
+                turn_ids = _turn_tail(handle.episode.token_ids, turn, streamed) if turn is not None else ()
+                chunk = self._chunk(ids, logprobs, origins, turn, turn_ids)
                 if turn is not None and u.env is not None:
                     chunk.done.env.CopyFrom(_env_status(u.env))
                 if raw_seen:
-                    chunk.raw_logprobs.extend(raw[start:])
+                    chunk.raw_logprobs.extend(raw)
                 yield chunk
-                pending = 0
+                ids, logprobs, raw, origins = [], [], [], []
         except Exception as exc:
             await _abort(context, exc)
             raise

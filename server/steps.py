@@ -51,6 +51,8 @@ class StepHandle:
     session: EnvSession | None = None
     tokenizer: Tokenizer | None = None
     opened_turns: int = 0  # how many turns the episode had when the Step was accepted
+    salt: str = ""  # the salt the Step was routed with (``Turns.open``: its turns reuse it) ...
+    salt_version: int = -1  # ... and the policy version it names
     closed: bool = False
 
     def updates(self) -> AsyncGenerator[StepUpdate, None]:
@@ -104,7 +106,9 @@ class StepHandle:
         start = last.generation_start if text is None and last and last.finish_reason == FinishReason.ABORT else None
         while True:
             if text is None:
-                turn, params = self.turns.open(episode, observation, self.params, self.step_seed)
+                turn, params = self.turns.open(
+                    episode, observation, self.params, self.step_seed, self.salt, self.salt_version
+                )
                 if observation:
                     n = len(observation)
                     yield StepUpdate(tuple(observation), (NAN,) * n, (Origin.ENV,) * n)

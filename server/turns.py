@@ -51,11 +51,20 @@ class Turns:
         self.live: dict[str, Engine] = {}  # request id -> the engine running it (turns streaming now)
 
     def open(
-        self, episode: Episode, observation: list[int], params: SamplingParams, step_seed: bool
+        self,
+        episode: Episode,
+        observation: list[int],
+        params: SamplingParams,
+        step_seed: bool,
+        salt: str = "",
+        salt_version: int = -1,
     ) -> tuple[Turn, SamplingParams]:
         """Append the observation and open the next turn; returns it with its sampling parameters.
 
         ``step_seed``: the Step set its own seed, used as given (else the episode's seed is offset per turn).
+        ``salt``: the salt the turn was routed with, naming ``salt_version``. The turn's engine request carries
+        it when the turn runs at that version (always, except while a weight update is reaching the replicas one
+        by one, when the salt is built anew for the version that runs the turn): one salt per turn.
         """
         total = len(episode.token_ids) + len(observation)
         budget = min(params.max_tokens, self.info.max_model_len - total, self.max_tokens_per_episode - total)
@@ -63,6 +72,9 @@ class Turns:
         if seed is not None and not step_seed:
             seed = (seed + len(episode.turns) * SEED_STRIDE) % 2**63
         version = self.engines[episode.replica].policy_version
+        if not salt or salt_version != version:
+            # Salted per tenant too: cached-token counts must not reveal another tenant's prompts.
+            salt = salt_text(episode.model, version, episode.tenant)
         episode.append_unsampled(observation, Origin.ENV, version)
         turn = Turn(
             index=len(episode.turns),
@@ -70,6 +82,7 @@ class Turns:
             generation_start=total,
             end=total,
             policy_version=version,
+            cache_salt=salt,
         )
         episode.turns.append(turn)
         if budget == params.max_tokens and seed == params.seed:  # nothing to change (most turns): no copy
@@ -101,8 +114,7 @@ class Turns:
             params=params,
             episode_id=episode.id,
             group_id=episode.routing_group,
-            # Salted per tenant too: cached-token counts must not reveal another tenant's prompts.
-            cache_salt=salt_text(episode.model, turn.policy_version, episode.tenant),
+            cache_salt=turn.cache_salt,
             drafter=drafter,
             constraint=constraint,
         )

@@ -25,7 +25,7 @@ class Weights:
     def __init__(self, engines: Sequence[Engine], mark: Callable[[int, bool, str], None]) -> None:
         self.engines = engines
         self._mark = mark  # take a replica out of rotation (the router)
-        self.removed: set[int] = set()  # replicas removed from the fleet (server.fleet.member): never updated
+        self.removed: set[int] = set()  # replicas removed from the fleet (server.replicas): never updated
         self._lock = asyncio.Lock()
 
     @property

@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from core.canonical import canonical_json
 from core.errors import InvalidArgument, NotFound
 from verifier.keys import KeyRing, PublicKey
 from verifier.merkle import MerkleTree, ProofError, leaf_hash
 from verifier.signing import Checkpoint, SignatureError, open_checkpoint, sign_envelope
-from verifier.statement import canonical_json
 from verifier.store import LogCorrupted, LogStore
 
 

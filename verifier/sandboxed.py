@@ -41,7 +41,9 @@ print({mark!r} + repr(float(_value)), flush=True)
 
 
 class SandboxedGraderFailed(FailedPrecondition):
-    """The sandboxed grader exited without a reward (it raised, was refused by the sandbox, or hit a limit)."""
+    """The sandboxed grader exited without a reward (it raised, was refused by the sandbox, or hit a limit): 422."""
+
+    http_status = 422
 
 
 class SandboxedGrader:

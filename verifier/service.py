@@ -31,6 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
+from core.canonical import canonical_json
 from core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, PrimeRLError
 from envhub.graders import get_grader, grader_names, grader_policy_digest, register_grader
 from rl_client.types import Trajectory as BridgeTrajectory
@@ -39,14 +40,16 @@ from verifier.config import VerifierConfig
 from verifier.keys import KeyRing
 from verifier.log import Receipt, TransparencyLog
 from verifier.sandboxed import SandboxedGrader
-from verifier.statement import Trajectory, Verdict, VerdictSample, canonical_json
+from verifier.statement import Trajectory, Verdict, VerdictSample
 from verifier.store import LogStore
 
 ENTRY_POINT_GROUP = "primerl.graders"
 
 
 class GraderFailed(FailedPrecondition):
-    """The grader raised or returned something that is not a finite number."""
+    """The grader raised or returned something that is not a finite number (HTTP 422: the verdict cannot be made)."""
+
+    http_status = 422
 
 
 class LogUnavailable(PrimeRLError):

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from core.canonical import canonical_json
 from verifier.keys import PublicKey, SigningKey, note_key_hash
-from verifier.statement import canonical_json
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 _DASH = "\u2014 "

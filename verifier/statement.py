@@ -13,14 +13,13 @@ Canonical trajectory encoding (``primerl.trajectory.v1``), all integers big-endi
 
 One trajectory has exactly one encoding (no field order, whitespace or float formatting to vary), so
 the subject digest is a function of the tokens alone. The Statement and envelope are canonical JSON
-(sorted keys, no whitespace, UTF-8, no NaN): the same verdict of the same input signs the same bytes
+(``core.canonical``: sorted keys, no whitespace, UTF-8, no NaN): the same verdict of the same input signs the same bytes
 except ``predicate.timings`` (when and how long the grader ran), the one part that varies by design.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import struct
 from collections.abc import Mapping
@@ -35,11 +34,6 @@ ENCODING = "primerl.trajectory.v1"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://primerl-servekit.dev/attestation/verdict/v1"
 _ORIGIN_NAMES = {o.name.lower(): int(o) for o in Origin}
-
-
-def canonical_json(value: Any) -> bytes:
-    """Sorted keys, no whitespace, UTF-8, NaN/Infinity refused."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 _ORIGIN_VALUES = frozenset(_ORIGIN_NAMES.values())

@@ -20,12 +20,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from core.canonical import canonical_json
 from core.errors import PrimeRLError
 from verifier.keys import PublicKey
 from verifier.merkle import MerkleTree, ProofError, leaf_hash, verify_inclusion
 from verifier.merkle import verify_consistency as _consistent
 from verifier.signing import Checkpoint, SignatureError, open_checkpoint, open_envelope
-from verifier.statement import PREDICATE_TYPE, STATEMENT_TYPE, canonical_json
+from verifier.statement import PREDICATE_TYPE, STATEMENT_TYPE
 from verifier.store import LogStore
 
 

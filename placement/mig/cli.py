@@ -41,7 +41,8 @@ def _plan(args: argparse.Namespace) -> int:
     from placement.mig.config import PlannerOptions, load_fleet, load_models
     from placement.mig.inventory import load_inventory
     from placement.mig.plan import Plan
-    from placement.mig.solver import build_problem, solve
+    from placement.mig.problem import build_problem
+    from placement.mig.solver import solve
 
     if args.fleet:
         fleet = load_fleet(args.fleet)

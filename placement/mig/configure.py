@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 from placement.mig.catalog import Placement, maximal_layouts
-from placement.mig.solver import Option, Problem
+from placement.mig.problem import Option, Problem
 
 Assigned = tuple[float, list[tuple[Placement | None, Option]]]
 Opts = list[tuple[str, float, float, Option]]  # (model, capacity, weight, option) of one slice profile

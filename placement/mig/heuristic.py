@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from placement.mig.catalog import Placement
 from placement.mig.configure import Configurator, Memo
-from placement.mig.solver import GpuPlan, Option, Problem, Replica, Solution, _finish
+from placement.mig.problem import GpuPlan, Option, Problem, Replica, Solution, finish
 from placement.mig.unit_greedy import unit_greedy
 
 LOCAL_SEARCH_MAX_GPUS = 64
@@ -294,4 +294,4 @@ def solve_heuristic(prob: Problem) -> Solution:
     if prob.fleet.gpu_count <= PAIR_SEARCH_MAX_GPUS:
         _improve_pairs(prob, cfg, units)
     gpus, reps = _render(prob, units)
-    return _finish(prob, "heuristic", "feasible", t0, gpus, reps)
+    return finish(prob, "heuristic", "feasible", t0, gpus, reps)

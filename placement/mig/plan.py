@@ -21,7 +21,7 @@ import yaml
 from placement.mig.catalog import GPU_TYPES, SOURCE_NOTE
 from placement.mig.config import ModelSpec
 from placement.mig.endpoints import ReplicaEndpoint
-from placement.mig.solver import Problem, Replica, Solution
+from placement.mig.problem import Problem, Replica, Solution
 
 BASE_PORT = 8000
 

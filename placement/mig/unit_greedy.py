@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from placement.mig.catalog import GPU_TYPES, Placement
-from placement.mig.solver import GpuPlan, Option, Pool, Problem, Replica
+from placement.mig.problem import GpuPlan, Option, Pool, Problem, Replica
 
 State = tuple[int, int]  # (occupied memory-slice mask, compute slices used)
 

@@ -25,13 +25,13 @@ the identity signed into verdicts; two policies with the same digest run code id
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from core.canonical import canonical_json
 from sandbox.seccomp import DENIED_X86_64
 
 _HOST = re.compile(r"^(\*\.)?[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$")
@@ -219,6 +219,5 @@ class SandboxPolicy(_Strict):
     syscalls: SyscallPolicy = Field(description="Seccomp profile.")
 
     def digest(self) -> str:
-        """``sha256:<hex>`` of the canonical JSON (sorted keys, no whitespace) of the validated policy."""
-        data = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return "sha256:" + hashlib.sha256(data.encode()).hexdigest()
+        """``sha256:<hex>`` of the canonical JSON (``core.canonical``) of the validated policy (a verdict signs it)."""
+        return "sha256:" + hashlib.sha256(canonical_json(self.model_dump(mode="json"))).hexdigest()

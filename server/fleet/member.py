@@ -21,6 +21,9 @@ One policy version per model across all bridges (``placement.registry`` holds it
   until a background read succeeds again. An update run within two heartbeats of the registry's return (or
   of it losing its data) waits out that time before counting the live bridges: by then each has heartbeated
   again, so none is left out of the barrier.
+* **Replicas.** ``converge`` makes this bridge's replicas what the registry lists (new ones added; drained,
+  removed or down ones out of rotation) through the bridge's replica API (``Bridge.replicas``: ``add``,
+  ``withdraw``, ``restore``); it writes none of the bridge's state itself.
 * **Ownership.** Episodes started here are recorded as owned by this bridge's address (with a TTL), so a
   bridge that gets a Step for an episode it does not hold can find its owner.
 """
@@ -38,7 +41,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from core.types import WeightUpdate
-from engines.base import Engine
 from placement.registry import (
     BridgeRecord,
     FleetConfig,
@@ -63,7 +65,9 @@ def default_bridge_id(address: str) -> str:
 class FleetMember:
     """One bridge's view of the registry (see module docstring)."""
 
-    def __init__(self, store: FleetStore, config: FleetConfig, model: str, address: str, tenant: str = "") -> None:
+    def __init__(
+        self, store: FleetStore, config: FleetConfig, model: str, address: str, bridge: Bridge, tenant: str = ""
+    ) -> None:
         self.store = store
         self.config = config
         self.model = model
@@ -71,7 +75,7 @@ class FleetMember:
         self.id = config.bridge_id or default_bridge_id(address)
         self.tenant = tenant
         self.record = ModelRecord(model)  # last known
-        self.bridge: Bridge | None = None
+        self.bridge = bridge
         self._paused_for: Update | None = None  # the update this bridge paused for
         self._paused_at = 0.0
         self._acked: str = ""
@@ -85,11 +89,15 @@ class FleetMember:
         self._healthy: list[bool] = []  # the router's health per replica at the last look (watch_health)
         self._tasks: set[asyncio.Task[None]] = set()  # registry writes in flight (owned: cancelled on close)
 
+    @property
+    def version(self) -> int:
+        """The fleet's policy version of this model (the last-known record's)."""
+        return self.record.version
+
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, bridge: Bridge) -> None:
+    async def start(self) -> None:
         """Register and adopt the fleet's version (Redis down: start with what the engines say, fail open)."""
-        self.bridge = bridge
         await self.refresh()
         with contextlib.suppress(RegistryUnavailable):
             await self.heartbeat()
@@ -118,8 +126,7 @@ class FleetMember:
             await asyncio.sleep(self.config.poll_s)
 
     async def heartbeat(self) -> None:
-        load = self.bridge.inflight if self.bridge is not None else 0
-        record = BridgeRecord(self.id, self.address, (self.model,), self.tenant, load, time.time())
+        record = BridgeRecord(self.id, self.address, (self.model,), self.tenant, self.bridge.inflight, time.time())
         await self.store.heartbeat(record, self.config.heartbeat_s * 3)
 
     # -- the registry's record -----------------------------------------------------------------
@@ -163,8 +170,6 @@ class FleetMember:
 
     async def _act(self, record: ModelRecord) -> None:
         bridge = self.bridge
-        if bridge is None:
-            return
         update = record.update
         if update is not None and self._paused_for is None and update.target > bridge.policy_version:
             self._paused_for, self._paused_at = update, time.monotonic()
@@ -183,14 +188,13 @@ class FleetMember:
 
     def _resume(self, why: str) -> None:
         self._paused_for = None
-        if self.bridge is not None:
-            self.bridge.resume()
+        self.bridge.resume()
         log.info("fleet: new turns on %s resumed (%s)", self.model, why)
 
     async def adopt(self, record: ModelRecord) -> None:
         """Move every replica of this bridge to the fleet's version (see module docstring)."""
         async with self._adopting:
-            for engine in self.bridge.engines if self.bridge is not None else ():
+            for engine in self.bridge.engines:
                 if engine.policy_version >= record.version:
                     continue
                 adopt: Callable[[int], None] | None = getattr(engine, "adopt_version", None)
@@ -206,8 +210,6 @@ class FleetMember:
         """Make this bridge's replicas what the registry lists (an empty list: register ours, once, and again
         after the registry lost its data; see ``refresh``)."""
         bridge = self.bridge
-        if bridge is None:
-            return
         urls = [str(getattr(e, "url", "")) for e in bridge.engines]
         if not record.replicas:
             if all(urls) and not self._registered:  # shared (HTTP) replicas: the fleet's list starts with ours
@@ -217,13 +219,14 @@ class FleetMember:
             return
         listed = {r.url: r for r in record.replicas}
         down = {url for url, until in record.down if until > time.time()}
+        withdrawn = bridge.replicas.withdrawn  # read only: the replica API below changes it
         for i, url in enumerate(urls):
             entry = listed.get(url)
             state = "removed" if entry is None else "down" if url in down else entry.state
-            if state == "active" and i in bridge.withdrawn:
-                restore_replica(bridge, i, confirm=bridge.withdrawn[i] in ("down", "removed"))
-            elif state != "active" and bridge.withdrawn.get(i) != state:
-                await withdraw_replica(bridge, i, state, abort=state == "removed")
+            if state == "active" and i in withdrawn:
+                bridge.replicas.restore(i, confirm=withdrawn[i] in ("down", "removed"))
+            elif state != "active" and withdrawn.get(i) != state:
+                await bridge.replicas.withdraw(i, state, abort=state == "removed")
         for url in listed.keys() - set(urls) - self._adding:
             if listed[url].state == "active":
                 self._adding.add(url)  # a turn opening meanwhile must not add it twice
@@ -234,7 +237,6 @@ class FleetMember:
 
     async def _add(self, url: str, record: ModelRecord) -> None:
         """A replica new to this bridge, at the fleet's version (loaded there when it is behind)."""
-        assert self.bridge is not None
         template: Any = self.bridge.engines[0]
         template = getattr(template, "inner", template)  # under a tracing proxy
         if not hasattr(template, "url"):
@@ -258,17 +260,15 @@ class FleetMember:
                 log.warning("fleet: replica %s not added: no weight location for version %d", url, record.version)
                 return
             await engine.update_weights(WeightUpdate(record.weights, record.version))
-        add_replica(self.bridge, engine)
+        self.bridge.replicas.add(engine)
         log.info("fleet: replica %s (%s) added at version %d", url, name, record.version)
 
     def watch_health(self) -> None:
         """A replica this bridge took out of rotation (a call or health check failed; not a withdrawal) goes out
         fleet-wide for a backoff that doubles each time it fails again (``fleet.replica_backoff_s``, up to 64 x)."""
-        if self.bridge is None:
-            return
         healthy = list(self.bridge.router.replicas.healthy)
         for i, (was, now) in enumerate(zip(self._healthy, healthy, strict=False)):
-            if was and not now and i not in self.bridge.withdrawn:
+            if was and not now and i not in self.bridge.replicas.withdrawn:
                 self._replica_failed(str(getattr(self.bridge.engines[i], "url", "")))
         self._healthy = healthy
 
@@ -291,7 +291,7 @@ class FleetMember:
 
     async def update_weights(self, path: str, version: int, mode: str, apply: Callable[[int], Awaitable[int]]) -> int:
         """Pause the fleet, reload each replica once (``apply(version)``), bump the version, resume."""
-        if not version and self.bridge is not None:  # the registry may have lost its data (a Redis restart)
+        if not version:  # the registry may have lost its data (a Redis restart)
             version = max(self.record.version, self.bridge.policy_version) + 1
         update, _ = await self.store.begin_update(self.model, version, mode)
         try:
@@ -300,7 +300,7 @@ class FleetMember:
             done = await apply(update.target)
         except BaseException:
             with contextlib.suppress(PrimeRLError):  # the original error is the one to report
-                if self.bridge is not None and self.bridge.policy_version >= update.target:
+                if self.bridge.policy_version >= update.target:
                     await self.store.commit_update(self.model, update, path)  # applied on some replicas
                 else:
                     await self.store.end_update(self.model, update)  # nothing applied: resume at the old version
@@ -320,7 +320,7 @@ class FleetMember:
             log.info("the fleet registry is back: %.1f s for every bridge's heartbeat before counting acks", settle)
             await asyncio.sleep(settle)
         while True:
-            if self._acked != update.token and self.bridge is not None and self.bridge.inflight == 0:
+            if self._acked != update.token and self.bridge.inflight == 0:
                 await self.store.ack(self.model, update.target, self.id)
                 self._acked = update.token
             live = {b.id for b in await self.store.bridges(self.model)} | {self.id}
@@ -338,7 +338,7 @@ class FleetMember:
 
     async def own(self, episode_ids: list[str]) -> None:
         try:
-            holder = self.bridge.journal.owner if self.bridge is not None and self.bridge.journal is not None else ""
+            holder = self.bridge.journal.owner if self.bridge.journal is not None else ""
             await self.store.own(episode_ids, self.address, holder)
         except RegistryUnavailable as exc:
             self.failed_open(exc)
@@ -351,8 +351,7 @@ class FleetMember:
 
     def failed_open(self, exc: PrimeRLError) -> None:
         """A registry call failed: go on with the last-known record, counted and logged."""
-        if self.bridge is not None:
-            self.bridge.metrics.fail_open.labels(COMPONENT).inc()
+        self.bridge.metrics.fail_open.labels(COMPONENT).inc()
         log.warning("%s; serving with the last-known registry (version %d)", exc.message, self.record.version)
 
 
@@ -360,38 +359,10 @@ def update_record(record: ModelRecord, update: Update) -> ModelRecord:
     return dataclasses.replace(record, update=update)
 
 
-def join_fleet(settings: Settings, model: str, port: int) -> FleetMember:
-    """The membership a bridge serving ``model`` on ``port`` gets from ``settings.fleet`` (needs ``redis.url``)."""
+def join_fleet(settings: Settings, bridge: Bridge, port: int) -> FleetMember:
+    """The membership ``bridge``, serving on ``port``, gets from ``settings.fleet`` (needs ``redis.url``)."""
     if not settings.redis.url:
         raise InvalidArgument("fleet.enabled needs redis.url (the Redis that holds the fleet registry)")
     config = settings.fleet
     address = config.advertise_address or f"{settings.server.host}:{port}"
-    return FleetMember(FleetStore.connect(settings.redis.url, config), config, model, address)
-
-
-def add_replica(bridge: Bridge, engine: Engine) -> int:
-    """A new replica in rotation; returns its index."""
-    bridge.engines.append(engine)  # the list Turns, Weights and the router share
-    bridge.router.replicas.resize(len(bridge.engines))
-    return len(bridge.engines) - 1
-
-
-async def withdraw_replica(bridge: Bridge, replica: int, state: str, abort: bool) -> None:
-    """No new turns on ``replica``; with ``abort`` its running turns end now (ABORT, partial tokens kept)."""
-    bridge.withdrawn[replica] = state
-    bridge.router.mark(replica, False, f"{state} through the control plane")
-    if abort:
-        bridge.weights.removed.add(replica)
-        engine = bridge.engines[replica]
-        for request_id, running in list(bridge.turns.live.items()):
-            if running is engine:
-                await engine.abort(request_id)
-
-
-def restore_replica(bridge: Bridge, replica: int, confirm: bool = False) -> None:
-    """A drained or removed replica back in rotation; with ``confirm`` (it had failed) only once its next health
-    check passes at the current version."""
-    bridge.withdrawn.pop(replica, None)
-    bridge.weights.removed.discard(replica)
-    if not confirm:
-        bridge.router.mark(replica, True, "")
+    return FleetMember(FleetStore.connect(settings.redis.url, config), config, bridge.info.model, address, bridge)

@@ -24,6 +24,7 @@ import grpc
 
 from server.bridge import Bridge
 from server.errors import PrimeRLError
+from server.fleet.member import FleetMember
 from server.fleet.ownership import Owner, OwnerInterceptorBase
 
 FORWARDED_BY = "primerl-fleet-forwarded-by"
@@ -38,12 +39,17 @@ class FleetOwnerInterceptor(OwnerInterceptorBase):
     def __init__(self, bridge: Bridge, persistence: bool) -> None:
         super().__init__(persistence)
         self.bridge = bridge
+        self.member: FleetMember | None = None  # the bridge's membership, once it joined (``join``)
+
+    def join(self, member: FleetMember) -> None:
+        """The bridge joined the fleet (once its port is bound): from now on calls are routed to owners."""
+        self.member = member
 
     def wraps(self, method: str) -> bool:
         return method.endswith(("/Step", "/EndEpisode"))
 
     async def owner(self, request: Any, context: grpc.aio.ServicerContext) -> Owner | None:
-        fleet, episode = self.bridge.fleet, request.episode_id
+        fleet, episode = self.member, request.episode_id
         if fleet is None or self.bridge.store.peek(episode) is not None:
             return None
         try:
@@ -54,12 +60,12 @@ class FleetOwnerInterceptor(OwnerInterceptorBase):
         return Owner(owner, owner, holder) if owner and owner != fleet.address else None
 
     def hop(self) -> tuple[tuple[str, str], ...]:
-        return ((FORWARDED_BY, self.bridge.fleet.address if self.bridge.fleet is not None else ""),)
+        return ((FORWARDED_BY, self.member.address if self.member is not None else ""),)
 
     async def take_over(self, owner: Owner, episode: str) -> None:
         journal = self.bridge.journal
         if owner.token and journal is not None:  # a Step the dead bridge was running holds the lease: it never ends
             with contextlib.suppress(PrimeRLError):  # Redis down: the lease expires by itself
                 await journal.break_lease(episode, owner.token)
-        if self.bridge.fleet is not None:
-            await self.bridge.fleet.own([episode])
+        if self.member is not None:
+            await self.member.own([episode])

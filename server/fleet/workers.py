@@ -4,7 +4,8 @@ Layout
 ------
 * The parent process serves nothing: it starts N workers (``multiprocessing`` spawn), restarts one that
   dies, and on SIGTERM/SIGINT stops them gracefully (each drains its Steps for ``server.grace_period_s``).
-* Every worker is a whole bridge (``server.app.serve``): its own engines, episode store and event loop; all
+* Every worker is a whole bridge (``server.app.serve``, which ``primerl serve`` passes to ``run_workers``: this
+  package never imports the app that imports it): its own engines, episode store and event loop; all
   share the Redis index, the episode records (``persistence``) and the engines' servers. Each binds the
   public port with ``SO_REUSEPORT`` (the kernel spreads *connections* over the workers) and a private unix
   socket, the address its peers forward to.
@@ -46,17 +47,19 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
-from core.errors import EngineUnavailable
+from core.errors import EngineUnavailable, PrimeRLError
 from proto.primerl.v1 import primerl_pb2 as pb
 from server.config import Settings
 from server.fleet.forward import default_forwarder, forwarded_metadata
 from server.fleet.ownership import Owner, OwnerInterceptorBase
+from server.requestid import configure_logging
 from server.service import ACCEPTED_METADATA
 
 log = logging.getLogger("primerl.workers")
@@ -231,12 +234,15 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _worker_main(settings: Settings, slot: WorkerSlot, log_level: str) -> None:
-    """A worker process: a whole bridge on the shared port and its private address."""
-    from server.app import serve
-    from server.cli import configure_logging
-    from server.errors import PrimeRLError
+class Serve(Protocol):
+    """A whole bridge's main loop as one worker (``server.app.serve``); picklable (a module-level function), since
+    each worker process is spawned with it."""
 
+    def __call__(self, settings: Settings, *, worker: WorkerSlot) -> Awaitable[None]: ...
+
+
+def _worker_main(settings: Settings, slot: WorkerSlot, log_level: str, serve: Serve) -> None:
+    """A worker process: a whole bridge on the shared port and its private address."""
     os.setpgrp()  # a terminal's Ctrl-C reaches the parent only; it stops the workers in order
     _die_with_parent()
     configure_logging(log_level, f"worker {slot.index} ")
@@ -266,10 +272,11 @@ def _reserve_port(host: str) -> socket.socket:
 class Supervisor:
     """The parent: starts the workers, restarts the ones that die, stops them all on a signal."""
 
-    def __init__(self, settings: Settings, count: int, log_level: str) -> None:
+    def __init__(self, settings: Settings, count: int, log_level: str, serve: Serve) -> None:
         self.settings = settings
         self.count = count
         self.log_level = log_level
+        self.serve = serve
         self._dir = tempfile.mkdtemp(prefix="primerl-workers-")  # 0700: only this user reaches the sockets
         self.addresses = tuple(f"unix:{self._dir}/w{i}.sock" for i in range(count))
         self._ctx = multiprocessing.get_context("spawn")
@@ -294,7 +301,7 @@ class Supervisor:
             predecessors=earlier,
         )
         proc = self._ctx.Process(
-            target=_worker_main, args=(self.settings, slot, self.log_level), name=f"primerl-worker-{index}"
+            target=_worker_main, args=(self.settings, slot, self.log_level, self.serve), name=f"primerl-worker-{index}"
         )
         proc.start()
         self._started[index] = time.monotonic()
@@ -371,15 +378,17 @@ class Supervisor:
                 proc.join(5)
 
 
-def run_workers(settings: Settings, log_level: str = "INFO") -> int:
-    """``primerl serve --workers N`` (N = ``server.workers``): the parent's main; returns the exit status."""
+def run_workers(settings: Settings, serve: Serve, log_level: str = "INFO") -> int:
+    """``primerl serve --workers N`` (N = ``server.workers``): the parent's main; returns the exit status.
+
+    ``serve``: each worker's main loop (``server.app.serve``)."""
     held = None
     if settings.server.port == 0:
         held = _reserve_port(settings.server.host)
         port = held.getsockname()[1]
         settings = settings.model_copy(update={"server": settings.server.model_copy(update={"port": port})})
     try:
-        return Supervisor(settings, settings.server.workers, log_level).run()
+        return Supervisor(settings, settings.server.workers, log_level, serve).run()
     finally:
         if held is not None:
             held.close()

@@ -16,8 +16,8 @@ Planning (``Runner.begin``):
 Driving (``Runner.run``): the choices' Steps run concurrently, a group's members each under its own request
 id (``<id>.<index>``: engine request ids derive from it and must be unique among running requests); a stop
 string ends a choice's Step early (its turn closes as ABORT with the tokens sampled so far, the visible text
-ends before the match). The call's session is released when every Step is closed, whatever happened
-(error, disconnect, cancel).
+ends before the match; each update decodes only its new tokens to look for one: ``server.http.stops``). The
+call's session is released when every Step is closed, whatever happened (error, disconnect, cancel).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from server.http.models import ChatMessage
 from server.http.render import canonical, engine_messages
 from server.http.sessions import Session, SessionRegistry
 from server.http.sse import Chunks, stream
+from server.http.stops import StopScanner
 from server.requestid import current_request_id
 from server.steps import StepHandle
 
@@ -74,6 +75,7 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     stop_hit: str | None = None
     text_end: int | None = None  # the visible text ends here (before a matched stop string)
+    scanner: StopScanner | None = None  # the call's stop strings, scanned as the choice's tokens arrive
     error: PrimeRLError | None = None
     message: dict[str, Any] | None = None  # chat: the assistant message (set when the call finishes)
 
@@ -292,13 +294,15 @@ class Runner:
             await c.handle.close()
 
     def _match_stop(self, c: Choice, stops: Sequence[str]) -> None:
+        """Decode what the update added (``StopScanner``: never the whole choice again) and look for a stop."""
         tok = self.bridge.tokenizer
         if tok is None:
             return
-        text = tok.decode(c.token_ids)
-        hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
-        if hits:
-            c.text_end, c.stop_hit = min(hits)
+        if c.scanner is None:
+            c.scanner = StopScanner(tok, stops)
+        hit = c.scanner.scan(c.token_ids)
+        if hit is not None:
+            c.text_end, c.stop_hit = hit
 
     def text(self, c: Choice) -> str:
         """The choice's visible text (up to a matched stop string)."""

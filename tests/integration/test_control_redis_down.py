@@ -57,10 +57,11 @@ async def _weight_versions(engines: list[StandinProcess]) -> list[str]:
 
 
 async def _listed(redis_server: PrivateRedis) -> set[str]:
-    """The replica URLs the registry lists, once it lists any (within 10 s)."""
+    """The replica URLs the registry lists, once it lists any (within 60 s: the bridges relist at their next
+    heartbeat, which a loaded machine delays: a 10 s wait failed once here under load, 2026-11-28)."""
     store = FleetStore.connect(redis_server.url, FleetConfig())
     try:
-        for _ in range(200):
+        for _ in range(1200):
             record = await store.model("toy")
             if record.replicas:
                 break

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from engines.toy import ASSISTANT, END
 from rl_client import AsyncBridgeClient, BridgeClient, run_episodes
+from server import service
 from server.app import BridgeServer
 
 Bridge = tuple[BridgeServer, AsyncBridgeClient]
@@ -69,6 +71,35 @@ async def test_streamed_turn_equals_unstreamed_turn(start_bridge, interval_ms: f
         assert [len(c.token_ids) for c in chunks] == [1, 19]
     else:
         assert [len(c.token_ids) for c in chunks] == [1] * 20  # one chunk per token, the last with `done`
+
+
+async def test_a_streamed_step_holds_what_it_has_not_sent_and_reads_the_last_turn_from_the_episode(
+    start_bridge,  # type: ignore[no-untyped-def]
+) -> None:
+    # One chunk per token. What the servicer holds while it streams must not grow with what it has already
+    # sent (an env Step streams a whole trajectory); its final chunk's text is the last turn's, as before.
+    server, client = await start_bridge(server={"stream_interval_ms": 0.0}, engine={"toy": {"yield_every": 1}})
+    sampling = {"seed": 5, "max_tokens": 3000, "ignore_eos": True}
+    ep = (await client.start_episode(PROMPT, sampling={**sampling, "max_tokens": 4})).episode_id
+    first = await client.step(ep)
+    held: dict[int, int] = {}
+    tracemalloc.start()
+    try:
+        chunks = []
+        async for c in client.stream_step(ep, OBS[0], sampling=sampling):
+            chunks.append(c)
+            if len(chunks) in (300, 2900):  # the servicer is suspended at this chunk's yield
+                stats = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, service.__file__)])
+                held[len(chunks)] = sum(s.size for s in stats.statistics("filename"))
+    finally:
+        tracemalloc.stop()
+    assert held[2900] - held[300] < 16 * 1024, held  # before: every token streamed, in four lists
+    traj = await client.end_episode(ep)
+    turn = traj.turns[-1]
+    streamed = [t for c in chunks for t in c.token_ids]
+    assert len(streamed) == 3000 and streamed == traj.token_ids[turn.generation_start : turn.end].tolist()
+    assert chunks[-1].done.text == server.bridge.tokenizer.decode(streamed) != first.text
+    assert chunks[-1].done.token_ids.tolist() == streamed and len(first.token_ids) == 4
 
 
 async def test_chat_messages_are_rendered_append_only(bridge: Bridge) -> None:

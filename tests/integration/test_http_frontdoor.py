@@ -193,6 +193,31 @@ async def test_one_call_session_completions_stop_strings_and_tools(front: Any) -
     assert _error(bad, 400)["param"] == "tool_choice"
 
 
+async def test_stop_strings_across_tokens_and_updates_decode_each_token_a_bounded_number_of_times(
+    start_bridge: StartBridge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One token per update (yield_every=1): the choice's text grows by a word per update.
+    server, _, base = await _open(start_bridge, engine={"type": "toy", "toy": {"yield_every": 1}})
+    tok = server.bridge.tokenizer
+    decoded: list[int] = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids: decoded.append(len(ids)) or decode(ids))
+    body = {"prompt": "the", "max_tokens": 300, "seed": 3, "ignore_eos": True, "return_token_ids": True}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        full = (await http.post("/v1/completions", json=body | {"stop": ["no such words"]})).json()["choices"][0]
+        n = len(full["token_ids"])
+        assert n == 300 and full["finish_reason"] == "length"
+        # Stop matching decoded what each update added, not the whole choice again (300 * 301 / 2 ids before).
+        assert sum(decoded) <= 20 * n, sum(decoded)
+        text = full["text"]
+        words = text.split()
+        late = len(" ".join(words[:250]))  # a stop string that straddles two tokens (and so two updates)
+        for stop in [text[late - 2 : late + 3], words[200][-1] + " " + words[201]]:
+            r = (await http.post("/v1/completions", json=body | {"stop": ["no such words", stop]})).json()
+            # What decoding the whole choice on every update found: the first match, the text before it.
+            assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["text"] == text[: text.find(stop)]
+
+
 async def test_models_health_liveness_openapi(front: Any) -> None:
     server, _, http = front
     models = (await http.get("/v1/models")).json()

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import uvicorn
 
-from llmserve.agents import HeuristicAgent, RandomAgent
 from llmserve.app import build_app
+from llmserve.baselines import HeuristicAgent, RandomAgent
 from llmserve.client import LLMServeEnv
 from llmserve.models import ServeAction
 from llmserve.tasks import TASKS

@@ -24,8 +24,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engines.launch import free_port
-from llmserve.agents import HeuristicAgent
 from llmserve.app import BASELINE_SEEDS, build_app
+from llmserve.baselines import HeuristicAgent
 from llmserve.episode import Episode
 from llmserve.grader import grade, run_agent
 from llmserve.llm import MAX_TOKENS, LLMAgent, LLMConfig, LLMEndpointError, LLMStats

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from llmserve.agents import HeuristicAgent
+from llmserve.baselines import HeuristicAgent
 from llmserve.env import LLMServeEnvironment
 from llmserve.models import ServeAction
 from llmserve.real import NOT_APPLIED

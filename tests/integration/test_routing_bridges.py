@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from core.salt import CacheSalt
+from core.salt import CacheSalt, salt_text
 from tests.integration.redis_proc import PrivateRedis
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5] * 6
@@ -116,3 +116,36 @@ async def test_turn_hashes_are_extended_per_episode_and_equal_a_full_recomputati
         assert list(decision.hashes) == bridge.router.fingerprinter.hashes(history, salt)
         # Recorded under those keys; the next turn's check covers the chain extended over the sampled tokens.
         assert bridge.router.index.lookup_now(decision.hashes).blocks.get(decision.replica) == len(decision.hashes)
+
+
+async def test_the_salt_is_built_once_per_turn_and_is_the_one_the_engine_gets(
+    start_bridge: Any, monkeypatch: Any
+) -> None:
+    server, client = await start_bridge(engine={"replicas": 2}, cache={"block_size": 4})
+    bridge = server.bridge
+    built: list[tuple[str, int, str]] = []
+
+    def counting_salt_text(model: str, policy_version: int, tenant: str = "") -> str:
+        built.append((model, policy_version, tenant))
+        return salt_text(model, policy_version, tenant)
+
+    for module in ("server.bridge", "server.turns"):  # every place that builds a salt
+        monkeypatch.setattr(f"{module}.salt_text", counting_salt_text)
+    sent: list[str] = []
+    for engine in bridge.engines:
+        generate = engine.generate
+
+        def recording(request: Any, generate: Any = generate) -> Any:
+            sent.append(request.cache_salt)
+            return generate(request)
+
+        monkeypatch.setattr(engine, "generate", recording)
+    ep = (await client.start_episode(PROMPT, sampling=SAMPLING)).episode_id
+    for i, observation in enumerate([None, [9], [10, 11], [12]]):
+        if i == 2:
+            assert await client.update_weights() == 1
+        built.clear()
+        await client.step(ep, observation)
+        assert built == [("toy", 1 if i >= 2 else 0, "")]  # one salt per turn: routing and the engine request share it
+        routed = bridge.router.routes[ep][1]
+        assert sent[-1] == routed == salt_text("toy", 1 if i >= 2 else 0)

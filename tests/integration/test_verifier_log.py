@@ -149,7 +149,7 @@ def test_reordering_two_entries_is_detected(open_log: OpenLog, db_url: str) -> N
 
 
 def _leaf(receipt: Any) -> bytes:
-    from verifier.statement import canonical_json
+    from core.canonical import canonical_json
 
     return canonical_json(receipt.envelope)
 

@@ -95,3 +95,21 @@ def test_pareto_reward_computer_trades_objectives() -> None:
     assert prc.objective_names == ("correct", "brevity")
     with pytest.raises(ValueError):
         ParetoRewardComputer(objective_functions=[lambda t: 0.0], objective_names=["a", "b"])
+
+
+@dataclass
+class Ungrouped:
+    reward: float
+    length: int = 0
+
+
+def test_trajectories_without_a_group_are_ranked_as_one_batch() -> None:
+    batch = [Ungrouped(1.0, 50), Ungrouped(1.0, 10), Ungrouped(0.0, 5), Ungrouped(0.0, 60)]
+    prc = ParetoRewardComputer(objective_functions=[lambda t: t.reward, lambda t: -t.length])
+    r = prc.compute_rewards(batch, method="pareto")
+    assert r[1] == r[2] == 1.0 and r[1] > r[0] > r[3]
+    relative = RewardComputer().compute_rewards(batch, method="relative")
+    assert relative.tolist() == pytest.approx([2.5 / 3, 2.5 / 3, 0.5 / 3, 0.5 / 3])
+    # a batch mixing both: the grouped members rank among their group, the rest among themselves
+    mixed = [T(0.2, 0), Ungrouped(0.3), T(0.9, 0), Ungrouped(0.1)]
+    assert RewardComputer().compute_rewards(mixed, method="relative").tolist() == [0.0, 1.0, 1.0, 0.0]

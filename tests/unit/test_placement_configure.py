@@ -11,7 +11,7 @@ from bench import placement_scenarios as scenarios
 from placement.mig.catalog import Placement
 from placement.mig.config import PlannerOptions
 from placement.mig.configure import Assigned, Configurator, Memo
-from placement.mig.solver import Option, Problem, build_problem
+from placement.mig.problem import Option, Problem, build_problem
 
 
 def plain_fill(cfg: Configurator, pi: int, geo: tuple[Placement, ...], remaining: dict[str, float]) -> Assigned:

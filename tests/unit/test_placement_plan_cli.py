@@ -14,7 +14,8 @@ import yaml
 from placement.mig.config import PlannerOptions, load_fleet, load_models
 from placement.mig.endpoints import load_endpoints
 from placement.mig.plan import Plan
-from placement.mig.solver import build_problem, solve
+from placement.mig.problem import build_problem
+from placement.mig.solver import solve
 from server.cli import main
 from tests.unit.test_deploy import by_kind, render
 

@@ -21,7 +21,8 @@ from placement.mig.config import (
     load_models,
 )
 from placement.mig.heuristic import solve_heuristic
-from placement.mig.solver import Problem, Solution, build_problem, solve_exact
+from placement.mig.problem import Problem, Solution, build_problem
+from placement.mig.solver import solve_exact
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,9 +14,12 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
+from core.canonical import canonical_json
 from core.errors import InvalidArgument
 from envhub.graders import get_grader
+from sandbox.policies import load_policy
 from verifier.keys import KeyRing, PublicKey, note_key_hash
+from verifier.service import ScoreRequest
 from verifier.signing import (
     PAYLOAD_TYPE,
     Checkpoint,
@@ -105,6 +108,21 @@ def test_envelope_signs_the_statement_and_detects_every_change(tmp_path: Path) -
     for bad in forged:
         with pytest.raises(SignatureError):
             open_envelope(bad, keys)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nan_and_infinity_are_refused_on_every_path_that_signs(tmp_path: Path, bad: float) -> None:
+    ring = KeyRing.open(tmp_path)
+    with pytest.raises(ValueError, match="JSON compliant"):  # a Statement (and so the envelope, the log's leaf)
+        sign_envelope({"_type": "x", "predicate": {"reward": bad}}, ring.active)
+    with pytest.raises(ValidationError, match="NaN or Infinity"):  # a grader's params, signed with the verdict
+        ScoreRequest.model_validate({"grader": "constant", "trajectory": TRAJ, "params": {"value": bad}})
+    # The sandbox policy digest a verdict signs: a policy holding a non-number (model_copy skips validation).
+    policy = load_policy("grader")
+    broken = policy.model_copy(update={"limits": policy.limits.model_copy(update={"wall_s": bad})})
+    with pytest.raises(ValueError, match="JSON compliant"):
+        broken.digest()
+    assert policy.digest() == "sha256:" + hashlib.sha256(canonical_json(policy.model_dump(mode="json"))).hexdigest()
 
 
 def test_checkpoint_is_a_c2sp_signed_note(tmp_path: Path) -> None:
