@@ -95,7 +95,7 @@ def create_app(verifier: Verifier) -> Starlette:
 
     async def entry(request: Request) -> Response:
         raw = request.path_params["index"]
-        if not raw.isdigit():
+        if not (raw.isascii() and raw.isdigit()):  # str.isdigit alone admits '²', which int() refuses
             raise HTTPException(400, f"index: {raw!r} is not a non-negative integer")
         return JSONResponse(await verifier.read(log.entry, int(raw)))
 
