@@ -82,6 +82,7 @@ class FleetMember:
         self._task: asyncio.Task[None] | None = None
         self._adopting = asyncio.Lock()
         self._registered = False
+        self._written_stamp = 0  # the least stamp the registry had after our own listing (it only grows)
         self._down_until = 0.0  # turns skip the registry read until then (it just failed)
         self._back_at = 0.0  # when a registry read first succeeded after one failed or after the registry lost its data
         self._adding: set[str] = set()  # replica URLs being added now
@@ -141,8 +142,10 @@ class FleetMember:
             if self._paused_for is not None and time.monotonic() - self._paused_at > self.config.update_timeout_s:
                 self._resume("its update could not be seen ending within fleet.update_timeout_s")
             return self.record
-        lost = record.stamp < self.record.stamp  # the registry lost its data (a Redis restart)
-        if lost and not record.replicas:
+        # The registry lost its data (a Redis restart): its stamp went back, or, after an outage, our list is gone.
+        # Our own listing counts as seen: a restart right after it, before we read it back, is a loss too.
+        lost = record.stamp < max(self.record.stamp, self._written_stamp)
+        if (lost or self._down_until) and not record.replicas:
             self._registered = False  # list our replicas again
         if lost or self._down_until:  # the first good read since a failed one (a turn's or the background's)
             self._back_at, self._down_until = time.monotonic(), 0.0  # and turns read the registry again
@@ -216,6 +219,7 @@ class FleetMember:
                 ours = [ReplicaRecord(url, e.info.engine) for url, e in zip(urls, bridge.engines, strict=True)]
                 await self.store.put_replicas(self.model, ours)  # one transaction: never seen half-listed
                 self._registered = True
+                self._written_stamp = record.stamp + 1  # put_replicas bumped the stamp we read
             return
         listed = {r.url: r for r in record.replicas}
         down = {url for url, until in record.down if until > time.time()}
