@@ -81,12 +81,13 @@ demo-ppo: setup
 # The suite on $(TEST_WORKERS) pytest-xdist workers; tests/scheduling.py keeps what shares a server (a module's
 # fixtures, the session's vLLM) on one worker and queues the longest work units first. The run's record:
 # bench/out/test_durations.json, summed per module and per fixture set-up by scripts/suite_durations.py.
+# The fast performance gate (gate-fast's probes vs bench/baselines.json "fast") runs inside the suite, as the perf
+# leg of the dev-loop test (tests/integration/test_quickstart.py): a regression fails that test naming the figure.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 test: setup check-proto lint vllm-env verifiers-env
 	PRIMERL_TEST_DURATIONS=bench/out/test_durations.json $(PYTEST) --durations=25
 	$(PY) scripts/suite_durations.py --top 10 --modules 10
-	$(MAKE) --no-print-directory gate-fast
 
 # The inner loop (docs/testing.md): unit, contract and toy-engine integration tests, everything not marked slow.
 test-fast: setup

@@ -2,8 +2,9 @@
 
 ``make dev``, ``make gen-proto`` (into a scratch copy: the stubs it writes equal the committed ones),
 ``PYTHONPATH=. python -m server.main --engine toy`` (and the ``PRIMERL_ENGINE`` alias) serving an episode,
-``scripts/analyze_metrics.py`` on a scrape, ``scripts/dev_loop.sh`` end to end (one step per algorithm),
-and the committed ``artifacts/`` being what artifacts/README.md says they are.
+``scripts/analyze_metrics.py`` on a scrape, ``scripts/dev_loop.sh`` end to end (one step per algorithm; its perf
+leg is ``make test``'s fast performance gate), then the reference GRPO trainer resuming from the loop's run, and the
+committed ``artifacts/`` being what artifacts/README.md says they are.
 """
 
 from __future__ import annotations
@@ -135,7 +136,13 @@ def test_committed_artifacts_are_what_their_readme_says() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_dev_loop_runs_ppo_grpo_the_bridge_and_the_perf_gate(tmp_path: Path) -> None:
+def test_dev_loop_runs_ppo_grpo_the_bridge_and_the_perf_gate_then_grpo_resumes(tmp_path: Path) -> None:
+    """The dev loop (STEPS=1), then ``examples/grpo_train.py --resume`` from its GRPO leg's output.
+
+    The perf leg is the fast performance gate of ``make test`` (the deterministic probes against
+    bench/baselines.json "fast"): a regression fails this test with the gate's table and the figure named. The
+    resume part was tests/integration/test_grpo_train.py until the test-loop issue 33; that test's first run was
+    the same command as the loop's GRPO leg (``--group-size 2 --call-tokens 6 --answer-tokens 3 --no-record``)."""
     proc = run(["scripts/dev_loop.sh"], timeout=1450, STEPS="1", OUT=str(tmp_path), PY=PY)
     out = proc.stdout
     for line in ("GRPO gate passed: 1 steps", "PPO gate passed: 1 steps", "perf gate passed", "dev loop passed"):
@@ -145,3 +152,18 @@ def test_dev_loop_runs_ppo_grpo_the_bridge_and_the_perf_gate(tmp_path: Path) -> 
     rows = read_csv(art / "perf_gate.csv")
     assert rows and all(r["ok"] == "True" for r in rows)
     assert "primerl_turns_total" in (art / "metrics_scrape.txt").read_text()
+
+    # The GRPO leg's run: one optimizer step, its weights pushed and checkpointed, on-policy.
+    grpo = tmp_path / "grpo"
+    steps = json.loads((grpo / "history.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == [0]
+    assert (grpo / "trainer_state.pt").exists() and (grpo / "weights" / "model.safetensors").exists()
+    # on-policy: the trainer's recomputed logprobs match the engine's (ratio 1) whenever a step trained
+    assert steps[0]["ratio"] == pytest.approx(1.0, abs=1e-3) or steps[0]["loss"] == 0.0
+    # --resume: a fresh bridge is given the resumed weights first (v1), and step 1 trains on samples from it
+    tiny = ["--group-size", "2", "--call-tokens", "6", "--answer-tokens", "3", "--no-record", "--max-minutes", "30"]
+    run([PY, "examples/grpo_train.py", "--out", str(grpo), *tiny, "--steps", "2", "--resume"], timeout=1200)
+    steps2 = json.loads((grpo / "history.json").read_text())["steps"]
+    assert [s["step"] for s in steps2] == [0, 1]
+    assert steps2[1]["version"] == 1 and steps2[1]["lag"] == 0
+    assert (grpo / "reward_curve.png").stat().st_size > 1000
