@@ -337,12 +337,16 @@ def test_real_greedy_answer(converted_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_real_warm_start_is_fast_and_resolves(converted_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_real_warm_start_reuses_the_conversion_and_resolves(
+    converted_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm start resolves to the converted directory without converting again: every file in it is the same
+    file, unwritten (was a wall-clock bound of 5 s; the suite checks what happened, not how long it took)."""
     monkeypatch.setenv(ms.CACHE_ENV_VAR, str(converted_dir.parent))
-    start = time.monotonic()
+    before = {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in converted_dir.iterdir()}
     assert ms.resolve_model_dir("smollm2") == converted_dir
     assert ms.resolve_model_dir(str(converted_dir)) == converted_dir
-    assert time.monotonic() - start < 5.0
+    assert {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in converted_dir.iterdir()} == before
 
 
 @pytest.mark.slow
