@@ -1,4 +1,4 @@
-"""Advantage estimators: GRPO, Dr. GRPO, RLOO (group baselines) and GAE (PPO), plus token broadcasting.
+"""Advantage estimators: GRPO, Dr. GRPO, RLOO, OPO (group baselines) and GAE (PPO), plus token broadcasting.
 
 All functions are numpy, float64 inside, and never return NaN or inf for finite inputs.
 
@@ -17,6 +17,10 @@ Formulas (``r`` = rewards of one group of size G, ``mean``/``std`` over the grou
 * Dr. GRPO (Liu et al. 2025): ``r_i - mean``; no std, and the loss is not length-normalised
   (``grpo.losses.aggregate(..., mode="constant")``).
 * RLOO (Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j`` = ``G/(G-1) * (r_i - mean)``.
+* OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"): ``r_i - b``, ``b = sum_j L_j r_j / sum_j
+  L_j`` with ``L_j`` the length of member ``j``'s response (its trained tokens): the baseline that minimises the
+  gradient variance when each token's gradient has about the same norm; meant for exactly on-policy training.
+  Without lengths (or all zero) it is the group mean (Dr. GRPO).
 * GAE (Schulman et al. 2016): ``delta_t = r_t + gamma * V_{t+1} - V_t`` (``V_T = 0`` after the last
   step), ``A_t = delta_t + gamma * lam * A_{t+1}``; returns = ``A + V``.
 """
@@ -30,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
-Estimator = Literal["grpo", "dr_grpo", "rloo"]
+Estimator = Literal["grpo", "dr_grpo", "rloo", "opo"]
 
 GRPO_EPS = 1e-4
 
@@ -67,20 +71,43 @@ def rloo(rewards: Sequence[float] | npt.ArrayLike) -> FloatArray:
     return (r - r.mean()) * (g / (g - 1))
 
 
+def opo(rewards: Sequence[float] | npt.ArrayLike, lengths: Sequence[float] | npt.ArrayLike) -> FloatArray:
+    """OPO advantages of one group: each reward minus the length-weighted mean reward of the group."""
+    r = _as_group(rewards)
+    n = np.asarray(lengths, dtype=np.float64).reshape(-1)
+    if n.size != r.size:
+        raise ValueError(f"{r.size} rewards but {n.size} lengths")
+    if not np.all(np.isfinite(n)) or np.any(n < 0):
+        raise ValueError(f"lengths must be finite and >= 0, got {n.tolist()}")
+    if r.size <= 1:
+        return np.zeros_like(r)
+    baseline = float(np.dot(n, r) / n.sum()) if n.sum() > 0 else float(r.mean())
+    return r - baseline
+
+
 def group_advantages(
-    rewards: Sequence[float] | npt.ArrayLike, group_ids: Sequence[object], estimator: Estimator = "grpo"
+    rewards: Sequence[float] | npt.ArrayLike,
+    group_ids: Sequence[object],
+    estimator: Estimator = "grpo",
+    lengths: Sequence[float] | npt.ArrayLike | None = None,
 ) -> FloatArray:
-    """Advantages for a flat batch whose members are grouped by ``group_ids`` (any hashable per sample)."""
+    """Advantages for a flat batch whose members are grouped by ``group_ids`` (any hashable per sample);
+    ``lengths`` (each member's trained tokens) are OPO's weights and required for it."""
     r = _as_group(rewards)
     if len(group_ids) != r.size:
         raise ValueError(f"{r.size} rewards but {len(group_ids)} group ids")
-    fn = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}[estimator]
+    if estimator == "opo" and lengths is None:
+        raise ValueError("the opo estimator needs each member's length (its trained tokens)")
+    n = np.zeros_like(r) if lengths is None else np.asarray(lengths, dtype=np.float64).reshape(-1)
     out = np.zeros_like(r)
     index: dict[object, list[int]] = {}
     for i, g in enumerate(group_ids):
         index.setdefault(g, []).append(i)
     for members in index.values():
-        out[members] = fn(r[members])
+        if estimator == "opo":
+            out[members] = opo(r[members], n[members])
+        else:
+            out[members] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}[estimator](r[members])
     return out
 
 

@@ -61,7 +61,9 @@ class AlgorithmConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     seed: int = Field(0, ge=0, description="Seed of the trainer's RNGs.")
-    estimator: adv.Estimator = Field("grpo", description="GRPO group baseline: grpo, dr_grpo or rloo.")
+    estimator: adv.Estimator = Field(
+        "grpo", description="GRPO group baseline: grpo, dr_grpo, rloo or opo (length-weighted, Hao et al. 2025)."
+    )
     reward_method: Method = Field("absolute", description="RewardComputer method: absolute, relative, pareto.")
     baseline_decay: float = Field(0.9, ge=0, le=1, description="REINFORCE: moving-average decay of the baseline.")
     normalize_advantages: bool = Field(False, description="Normalise token advantages over the batch.")
@@ -257,12 +259,15 @@ class _OutOfTime(Exception):
 
 
 class GRPOAlgorithm(RLAlgorithm):
-    """Group-relative advantages (``estimator``: grpo, dr_grpo, rloo) on every token of a member."""
+    """Group-relative advantages (``estimator``: grpo, dr_grpo, rloo, opo) on every token of a member."""
 
     name = "grpo"
 
     def advantages(self, batch: Sequence[Trajectory], rewards: FloatArray) -> tuple[list[FloatArray], dict[str, Any]]:
-        a = adv.group_advantages(rewards, [t.group for t in batch], self.config.estimator)
+        lengths = None
+        if self.config.estimator == "opo":  # OPO's weights: each member's trained tokens
+            lengths = [int(m.sum()) for m in self.backprop.masks(batch, self.version)]
+        a = adv.group_advantages(rewards, [t.group for t in batch], self.config.estimator, lengths)
         return self.per_token(batch, a.tolist()), {}
 
 

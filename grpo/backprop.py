@@ -5,11 +5,15 @@ runs once), at the sampling temperature, so the on-policy ratio is 1. Trained to
 less prompt/env/forced origins (``grpo.masks.loss_mask``) and, off-policy, less every token sampled more than
 ``max_async_level`` policy versions before the trainer's (``grpo.masks.version_mask``).
 
-Policy losses (``loss``): ``"clip"`` the PPO/GRPO clipped surrogate; ``"aipo"`` prime-rl's token-level
-importance-sampling objective (``grpo.losses.token_is_loss``). KL to a reference model (k3) when
-``kl_coef > 0``; the reference is frozen (``ref_update="none"``), an EMA of the policy (``"ema"``) or a copy
-refreshed every ``ref_interval`` updates (``"copy"``). With a value head (PPO): GAE over the trained tokens
-(reward on the last one), the clipped value loss, a separate optimizer on detached hidden states.
+Policy losses (``loss``, all in ``grpo.losses``): ``"clip"`` the PPO/GRPO clipped surrogate; ``"aipo"`` prime-rl's
+token-level importance-sampling objective (``token_is_loss``); ``"gspo"`` one clipped ratio per sequence
+(``gspo_loss``; set ``clip_low``/``clip_high`` to the paper's 3e-4/4e-4); ``"cispo"`` clipped, detached
+importance weights on every token's policy gradient (``cispo_loss``; ``aggregation = "token_mean"`` as MiniMax-M1).
+
+KL to a reference model (k3) when ``kl_coef > 0``; the reference is frozen (``ref_update="none"``), an EMA of
+the policy (``"ema"``) or a copy refreshed every ``ref_interval`` updates (``"copy"``). With a value head (PPO):
+GAE over the trained tokens (reward on the last one), the clipped value loss, a separate optimizer on detached
+hidden states.
 """
 
 from __future__ import annotations
@@ -23,7 +27,16 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpo import advantages as adv
-from grpo.losses import Aggregation, aggregate, clipped_surrogate, kl_k3, token_is_loss, value_loss
+from grpo.losses import (
+    Aggregation,
+    aggregate,
+    cispo_loss,
+    clipped_surrogate,
+    gspo_loss,
+    kl_k3,
+    token_is_loss,
+    value_loss,
+)
 from grpo.masks import loss_mask, version_mask
 from grpo.policy import GroupForward, group_forward, pad_right
 
@@ -37,7 +50,11 @@ class BackpropConfig(BaseModel):
 
     lr: float = Field(2e-5, gt=0, description="AdamW learning rate of the policy.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping (global norm).")
-    loss: Literal["clip", "aipo"] = Field("clip", description="clip: PPO/GRPO surrogate; aipo: token-level IS.")
+    loss: Literal["clip", "aipo", "gspo", "cispo"] = Field(
+        "clip",
+        description="clip: PPO/GRPO surrogate; aipo: token-level IS (prime-rl); gspo: sequence-level ratio and "
+        "clip (Zheng et al. 2025); cispo: clipped IS weights, every token's gradient kept (MiniMax-M1).",
+    )
     clip_low: float = Field(0.2, ge=0, description="Lower ratio clip (1 - clip_low).")
     clip_high: float = Field(0.2, ge=0, description="Upper ratio clip (1 + clip_high).")
     is_cap: float = Field(2.0, gt=0, description="aipo: cap of the importance weight.")
@@ -202,6 +219,11 @@ class BackpropModule:
         adv_t = pad_right([advs[i] for i in idx], 0.0, torch.float32)
         if c.loss == "aipo":
             loss, st = token_is_loss(fwd.logprobs, old_lp, adv_t, mask, cap=c.is_cap, mode=c.aggregation)
+        elif c.loss == "gspo":
+            loss, st = gspo_loss(fwd.logprobs, old_lp, adv_t, mask, clip_low=c.clip_low, clip_high=c.clip_high)
+        elif c.loss == "cispo":
+            kw_c = {"clip_low": c.clip_low, "clip_high": c.clip_high, "mode": c.aggregation}
+            loss, st = cispo_loss(fwd.logprobs, old_lp, adv_t, mask, **kw_c)  # type: ignore[arg-type]
         else:
             kw = {"clip_low": c.clip_low, "clip_high": c.clip_high, "mode": c.aggregation}
             loss, st = clipped_surrogate(fwd.logprobs, old_lp, adv_t, mask, **kw)  # type: ignore[arg-type]

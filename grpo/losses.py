@@ -1,5 +1,6 @@
-"""Token-level policy losses (torch): the clipped surrogate, prime-rl's token-level importance-sampling
-objective (AIPO), the k3 KL estimator, the clipped value loss.
+"""Policy losses (torch): the clipped surrogate (PPO/GRPO), prime-rl's token-level importance-sampling objective
+(AIPO), GSPO's sequence-level ratio and clipping, CISPO's clipped importance weights, the k3 KL estimator, the
+clipped value loss.
 
 Inputs are ``[batch, tokens]`` tensors with a boolean ``mask`` of the tokens to train on. Aggregation:
 
@@ -97,6 +98,80 @@ def token_is_loss(
     return loss, stats
 
 
+def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    zero = torch.zeros_like(logprobs)
+    return torch.where(m, logprobs - torch.where(m, old_logprobs, zero), zero).clamp(-20.0, 20.0)
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per sequence.
+
+    ``s_i = exp(mean_t(logp - old_logp))`` over the sequence's trained tokens (the length-normalised sequence
+    likelihood ratio); loss ``-min(s_i * A_i, clip(s_i, 1 - low, 1 + high) * A_i)``, mean over the sequences
+    that have a trained token. ``A_i`` is the mean of the sequence's token advantages (GRPO's are constant per
+    sequence). The paper's clip range is small (3e-4 / 4e-4): a sequence ratio moves far less than a token's.
+    Sequences without a trained token contribute nothing (and are not counted).
+    """
+    m = mask.bool()
+    n_tok = m.sum(dim=1)
+    has = n_tok > 0
+    denom = n_tok.clamp(min=1).to(logprobs.dtype)
+    seq_log_ratio = _log_ratio(logprobs, old_logprobs, m).sum(dim=1) / denom
+    ratio = torch.exp(seq_log_ratio)
+    adv = torch.where(m, advantages, torch.zeros_like(advantages)).sum(dim=1) / denom
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    per_seq = torch.where(has, -torch.minimum(unclipped, clipped), torch.zeros_like(ratio))
+    loss = per_seq.sum() / has.sum().clamp(min=1).to(per_seq.dtype)
+    with torch.no_grad():
+        k = max(1, int(has.sum()))
+        stats = {
+            "clip_frac": float(((unclipped != clipped) & has).sum()) / k,
+            "ratio_mean": float(ratio[has].mean()) if has.any() else 1.0,
+        }
+    return loss, stats
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+    mode: Aggregation = "token_mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2025): clip the importance-sampling weight, never the token.
+
+    ``-sg(clip(ratio, 1 - low, 1 + high)) * A * logp`` per token: unlike the PPO surrogate, whose clipped tokens
+    get no gradient at all, every trained token keeps its policy gradient, scaled by its bounded, detached
+    weight. MiniMax-M1 leaves the lower bound open (``low = 1``: the weight only has to stay >= 0) and tunes the
+    upper; the loss is a mean over all trained tokens of the batch (``token_mean``).
+    """
+    m = mask.bool()
+    zero = torch.zeros_like(logprobs)
+    ratio = torch.exp(_log_ratio(logprobs, old_logprobs, m))
+    weight = torch.clamp(ratio, max(0.0, 1.0 - clip_low), 1.0 + clip_high).detach()
+    per_token = torch.where(m, -weight * torch.where(m, advantages, zero) * logprobs, zero)
+    loss = aggregate(per_token, mask, mode)
+    with torch.no_grad():
+        n = max(1, int(m.sum()))
+        stats = {
+            "clip_frac": float(((weight != ratio) & m).sum()) / n,
+            "ratio_mean": float(ratio[m].mean()) if m.any() else 1.0,
+        }
+    return loss, stats
+
+
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(policy || reference) (Schulman): ``exp(r) - r - 1``, ``r = ref - logp``."""
     r = ref_logprobs - logprobs
@@ -112,4 +187,13 @@ def value_loss(
     return aggregate(per_token, mask, "token_mean")
 
 
-__all__ = ["Aggregation", "aggregate", "clipped_surrogate", "kl_k3", "token_is_loss", "value_loss"]
+__all__ = [
+    "Aggregation",
+    "aggregate",
+    "cispo_loss",
+    "clipped_surrogate",
+    "gspo_loss",
+    "kl_k3",
+    "token_is_loss",
+    "value_loss",
+]
