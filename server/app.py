@@ -33,6 +33,7 @@ from server.fleet.member import join_fleet
 from server.fleet.router import FleetOwnerInterceptor
 from server.fleet.workers import WorkerSlot
 from server.http import HttpFrontDoor, create_app
+from server.inspector import EndedStore, EpisodeLog, InspectorConfig
 from server.persistence import EpisodeJournal
 from server.service import PrimeRLService
 from server.telemetry import TelemetryInterceptor
@@ -141,6 +142,7 @@ class BridgeServer:
         await self.server.stop(grace)
         self.stop_phase = "settling cancelled Steps"
         await self._settle()
+        self.bridge.inspector.close()  # end the live pages' streams: the front door stops without waiting on them
         if self.http is not None:
             self.stop_phase = "stopping the HTTP front door"
             await self.http.stop()
@@ -155,6 +157,7 @@ class BridgeServer:
         for engine in self.bridge.engines:
             await engine.close()
         self.stop_phase = "closing the episode journal"
+        await self.bridge.inspector.close_store()  # ended episodes still queued for Redis, before its client closes
         if self.bridge.journal is not None:  # open episodes stay in Redis for the next bridge
             await self.bridge.journal.close()
         self.stop_phase = "stopping metrics and tracing"
@@ -216,6 +219,13 @@ def _interceptors(
     return interceptors
 
 
+def _ended_store(journal: EpisodeJournal | None, config: InspectorConfig) -> EndedStore | None:
+    """With persistence on, the inspector keeps ended episodes in the journal's Redis too."""
+    if journal is None or not config.enabled:
+        return None
+    return EndedStore.for_journal(journal, config.ended_ttl_s, config.max_ended_episodes)
+
+
 async def create_server(
     settings: Settings,
     engines: Sequence[Engine] | None = None,
@@ -251,6 +261,7 @@ async def create_server(
         routing=settings.routing,
         redis_url=settings.redis.url,
         speculation=settings.speculation,
+        inspector=EpisodeLog(settings.inspector, _ended_store(journal, settings.inspector)),
     )
     metrics.attach(bridge)
     limit = settings.server.max_message_bytes

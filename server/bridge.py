@@ -40,6 +40,7 @@ from server.config import AdmissionConfig, SamplingDefaults
 from server.envsession import EnvSession, check_env_name, close_all, open_env_sessions
 from server.episodes import Episode, EpisodeStore
 from server.errors import DeadlineExceeded, EpisodeBusy, InvalidArgument
+from server.inspector import EpisodeLog, InspectorConfig
 from server.journaled import JournaledStore
 from server.membership import FleetMembership
 from server.persistence import EpisodeJournal
@@ -69,6 +70,7 @@ class Bridge:
         routing: RoutingConfig | None = None,
         redis_url: str = "",
         speculation: SpeculationConfig | None = None,
+        inspector: EpisodeLog | None = None,
     ) -> None:
         if not engines:
             raise ValueError("a bridge needs at least one engine replica")
@@ -86,7 +88,8 @@ class Bridge:
         self.router = Router(self.engines, cache or CacheConfig(), routing or RoutingConfig(), redis_url)
         self.speculation = self._speculation(speculation)
         self.turns = Turns(self.engines, self.router, self.metrics, self.speculation, admission.max_tokens_per_episode)
-        self.weights = Weights(self.engines, self.mark_replica)
+        self.inspector = inspector if inspector is not None else EpisodeLog(InspectorConfig())  # the live inspector
+        self.weights = Weights(self.engines, self.mark_replica, self.inspector.weights_updated)
         self.replicas = Replicas(self.engines, self.router, self.turns, self.weights)  # the fleet's replica API
         self._serving = asyncio.Event()  # cleared by pause(): new Steps wait for resume()
         self._serving.set()
@@ -116,12 +119,8 @@ class Bridge:
             )
         plain = [e.info.replica for e in self.engines if Capability.DRAFT_VERIFY not in e.info.capabilities]
         if config.mode == "draft-only" and plain:  # said once here; Turns attaches no drafter for them
-            log.warning(
-                "speculation on, but replicas %s (%s) cannot verify drafts (capability 'draft_verify'): "
-                "their turns decode plainly",
-                plain,
-                self.info.engine,
-            )
+            why = "cannot verify drafts (capability 'draft_verify'): their turns decode plainly"
+            log.warning("speculation on, but replicas %s (%s) %s", plain, self.info.engine, why)
         return SpeculationFactory(config, getattr(self.tokenizer, "hf_tokenizer", None))
 
     @property
@@ -228,9 +227,7 @@ class Bridge:
                 "prompt_messages and tool_schemas_json empty"
             )
         if self.tokenizer is None:
-            raise InvalidArgument(
-                f"engine {self.info.engine!r} has no tokenizer; episodes with an environment need one"
-            )
+            raise InvalidArgument(f"engine {self.info.engine!r} has no tokenizer; episodes with an env need one")
         check_env_name(req.env)
         self.store.admit(req.group_size, req.tenant, self.admission.max_episodes_per_tenant)
         sessions = await open_env_sessions(req.env, self.envhub, req.group_size, req.env_task_id or None, req.env_seed)
@@ -238,9 +235,8 @@ class Bridge:
             first = sessions[0].env
             prompt = self._render(first.prompt_messages, None, first.tool_schemas)
             self.admit.check_length(len(prompt), "the environment's prompt")
-            self.store.admit(
-                req.group_size, req.tenant, self.admission.max_episodes_per_tenant
-            )  # again: other episodes may have started while the envs opened
+            # Again: other episodes may have started while the envs opened.
+            self.store.admit(req.group_size, req.tenant, self.admission.max_episodes_per_tenant)
         except BaseException:
             await close_all(sessions)
             raise
@@ -282,6 +278,7 @@ class Bridge:
             self.store.add(episode)
             ids.append(episode.id)
         self.router.opened(key, req.group_size)
+        self.inspector.started(ids, self.store.peek)
         return StartResult(ids, group_id, version, self.info.engine, self.engines[replica].info.replica, len(prompt))
 
     # -- Step ---------------------------------------------------------------------------
@@ -309,6 +306,7 @@ class Bridge:
                 handle.turn, handle.turn_params = self.turns.open(
                     episode, handle.observation, handle.params, handle.step_seed, handle.salt, handle.salt_version
                 )
+            self.inspector.step_started(episode)
             return handle
         except BaseException:
             if handle is not None:
@@ -388,6 +386,7 @@ class Bridge:
         episode = handle.episode
         episode.busy = False
         self.admit.leave(handle.tenant)
+        self.inspector.step_ended(episode, handle.opened_turns)
         try:
             if len(episode.turns) != handle.opened_turns:  # the Step opened a turn (closed by now)
                 await self.episodes.save(episode)
@@ -405,11 +404,13 @@ class Bridge:
         """Start no new turn until ``resume``: new Steps wait (within their deadline). With ``abort`` the turns
         running now are aborted too (finish reason ABORT, their partial tokens kept); returns how many."""
         self._serving.clear()
+        self.inspector.paused()
         log.info("paused: new Steps wait for resume%s", "; aborting the running turns" if abort else "")
         return await self.turns.abort_all() if abort else 0
 
     def resume(self) -> None:
         self._serving.set()
+        self.inspector.resumed()
         log.info("resumed")
 
     async def _wait_for_resume(self, deadline: float | None) -> None:
@@ -461,9 +462,10 @@ class Bridge:
             if not rewards and session.loop.done and session.loop.reward is not None:
                 rewards = (float(session.loop.reward),)  # the grader's, unless the trainer sent its own
         await self.engines[episode.replica].release(episode.id)
+        duration = (time.perf_counter() - episode.created) * 1e3
+        self.inspector.ended(episode, rewards, req.turn_rewards, duration, req.discard)
         if req.discard:  # freed: no trajectory is built or returned
             return EndResult(None, (), (), 0.0)
-        duration = (time.perf_counter() - episode.created) * 1e3
         return EndResult(episode, rewards, req.turn_rewards, duration)
 
     # -- lifecycle and weights ----------------------------------------------------------

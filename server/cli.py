@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     token.add_argument("tenant", help="tenant the token belongs to")
     token.add_argument("--new", action="store_true", help="generate a random token (printed once, on stderr)")
+    inspect = sub.add_parser(
+        "inspect", help="print (and open, where a browser can) the live inspector page of a bridge"
+    )
+    inspect.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the bridge's HTTP front door")
+    inspect.add_argument("--no-open", action="store_true", help="only print the URL")
     sub.add_parser(
         "bench",
         add_help=False,
@@ -128,6 +133,36 @@ def _hash_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def inspector_url(url: str) -> str:
+    """The page of the front door at ``url`` (``host:port``, with or without a scheme or a trailing /ui)."""
+    base = url.strip().rstrip("/")
+    if "://" not in base:
+        base = f"http://{base}"
+    return (base[: -len("/ui")] if base.endswith("/ui") else base) + "/ui"
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """``primerl inspect URL``: print the page's URL; open it where a graphical browser can show it."""
+    import os
+    import webbrowser
+
+    import httpx
+
+    page = inspector_url(args.url)
+    print(page)
+    try:
+        httpx.get(page[: -len("/ui")] + "/liveness", timeout=3).raise_for_status()
+    except httpx.HTTPError as exc:
+        print(f"primerl inspect: no bridge answers at {page[: -len('/ui')]} ({exc})", file=sys.stderr)
+        return 1
+    graphical = sys.platform in ("darwin", "win32") or bool(
+        os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    )
+    if not args.no_open and graphical:
+        webbrowser.open(page)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own flags (bench/matrix.py), passed through
@@ -150,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "control": run_control,
         "replicas": run_replicas,
         "hash-token": _hash_token,
+        "inspect": _inspect,
     }
     if (run := commands.get(args.command)) is not None:  # every subcommand but serve
         return run(args)

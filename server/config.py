@@ -25,6 +25,7 @@ from envhub.config import EnvHubConfig
 from placement.registry import FleetConfig
 from placement.routing import RoutingConfig
 from server.auth import AuthConfig, TlsConfig
+from server.inspector.config import InspectorConfig
 from server.persistence import PersistenceConfig
 from speculation.config import SpeculationConfig
 
@@ -154,6 +155,9 @@ class Settings(BaseModel):
     )
     fleet: FleetConfig = Field(
         default_factory=FleetConfig, description="Fleet membership: registry, one policy version per model."
+    )
+    inspector: InspectorConfig = Field(
+        default_factory=InspectorConfig, description="The live inspector (/ui): its bounded memory of episodes."
     )
 
     @model_validator(mode="after")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from placement.registry import BridgeRecord
+
 
 class FleetMembership(Protocol):
     @property
@@ -31,6 +33,10 @@ class FleetMembership(Protocol):
 
     async def update_weights(self, path: str, version: int, mode: str, apply: Callable[[int], Awaitable[int]]) -> int:
         """Run a weight update fleet-wide; ``apply(version)`` reloads this bridge's replicas."""
+        ...
+
+    async def bridges(self) -> list[BridgeRecord]:
+        """The live bridges serving the model, as the registry lists them."""
         ...
 
     async def close(self) -> None:

@@ -179,6 +179,11 @@ class EpisodeJournal:
         )
         self._prefix = config.key_prefix
 
+    @property
+    def client(self) -> Any:
+        """The Redis client (the inspector keeps its ended episodes through it: same Redis, prefix, timeouts)."""
+        return self._redis
+
     def _key(self, kind: str, episode_id: str) -> str:
         return f"{self._prefix}:{kind}:{episode_id}"
 

@@ -10,6 +10,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 
 from core.types import WeightUpdate
@@ -22,9 +23,16 @@ MAX_POLICY_VERSION = 2**63 - 1
 class Weights:
     """The policy version of a set of replicas, and the one path that changes it."""
 
-    def __init__(self, engines: Sequence[Engine], mark: Callable[[int, bool, str], None]) -> None:
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        mark: Callable[[int, bool, str], None],
+        updated: Callable[[int, int, float, float], None] | None = None,
+    ) -> None:
         self.engines = engines
         self._mark = mark  # take a replica out of rotation (the router)
+        # Told of each update that reached a replica: (previous version, new version, unix start, seconds taken).
+        self._updated = updated
         self.removed: set[int] = set()  # replicas removed from the fleet (server.replicas): never updated
         self._lock = asyncio.Lock()
 
@@ -65,6 +73,7 @@ class Weights:
             raise Unimplemented(f"engine {info.engine!r} cannot load new weights at run time")
         async with self._lock:
             self._check(version)  # another update may have landed while this one waited
+            previous, began, clock = self.version, time.time(), time.perf_counter()
             done: list[str] = []
             failed: list[tuple[str, EngineError]] = []
             for i, (engine, path) in enumerate(zip(self.engines, paths, strict=True)):
@@ -82,6 +91,8 @@ class Weights:
                 done.append(engine.info.replica)
             if failed and not done:
                 raise failed[0][1]
+            if self._updated is not None:
+                self._updated(previous, version, began, time.perf_counter() - clock)
             if failed:
                 names = ", ".join(f"{name!r} ({exc.message})" for name, exc in failed)
                 raise EngineError(

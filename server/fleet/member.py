@@ -353,6 +353,14 @@ class FleetMember:
         except RegistryUnavailable as exc:  # the record expires by itself (fleet.episode_ttl_s)
             self.failed_open(exc)
 
+    async def bridges(self) -> list[BridgeRecord]:
+        """The live bridges serving this model (the inspector's fleet view); [] while the registry is down."""
+        try:
+            return await self.store.bridges(self.model)
+        except RegistryUnavailable as exc:
+            self.failed_open(exc)
+            return []
+
     def failed_open(self, exc: PrimeRLError) -> None:
         """A registry call failed: go on with the last-known record, counted and logged."""
         self.bridge.metrics.fail_open.labels(COMPONENT).inc()

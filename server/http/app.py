@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from observability.metrics import BridgeMetrics
 from server.bridge import Bridge
+from server.http import routes_inspect as inspect
 from server.http import routes_openai as oai
 from server.http import routes_sessions as sess
 from server.http import routes_tokens as tokens
@@ -31,7 +32,9 @@ from server.http.models import (
     ChatBody,
     CompletionBody,
     EndBody,
+    EventsQuery,
     GenerateBody,
+    InspectQuery,
     PauseBody,
     SessionBody,
     UpdateWeightsBody,
@@ -57,6 +60,14 @@ ROUTES = (
     RouteSpec("POST", "/reload_weights", sess.reload_weights, "Back to the base weights as a new version (admin)"),
     RouteSpec("POST", "/pause", sess.pause, "No new turn until /resume; mode=abort aborts running ones", PauseBody),
     RouteSpec("POST", "/resume", sess.resume, "Resume generation (admin)"),
+    RouteSpec("GET", "/v1/inspect/episodes", inspect.episodes, "The inspector: open and recently ended episodes",
+              query=InspectQuery),
+    RouteSpec("GET", "/v1/inspect/episodes/{episode_id}", inspect.episode,
+              "The inspector: one episode token by token, its group and its session's branches"),
+    RouteSpec("GET", "/v1/inspect/fleet", inspect.fleet, "The inspector: bridges, replicas, versions (admin)"),
+    RouteSpec("GET", "/v1/inspect/events", inspect.events,
+              "The inspector's live events (SSE with Accept: text/event-stream, else recent ones as JSON)",
+              query=EventsQuery),
     RouteSpec("GET", "/health", sess.health, "200 while an engine replica is healthy", public=True),
     RouteSpec("GET", "/liveness", sess.liveness, "The process is up", public=True),
 )  # fmt: skip
@@ -92,6 +103,7 @@ def create_app(
 
     routes = [Route(r.path, endpoint(r.path, r.handler), methods=[r.method]) for r in ROUTES]
     routes.append(Route("/openapi.json", openapi, methods=["GET"]))
+    routes += [Route("/ui", inspect.page, methods=["GET"]), Route("/ui/{name}", inspect.page, methods=["GET"])]
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)

@@ -151,3 +151,43 @@ class UpdateWeightsBody(_Open):
 
 class PauseBody(_Open):
     mode: Literal["keep", "abort", "wait"] = "keep"
+
+
+# -- query strings (the inspector's routes) ---------------------------------------------------------------------
+
+
+class InspectQuery(BaseModel):
+    """``GET /v1/inspect/episodes``: filters (all optional, combined with AND) and a limit. Unknown keys are a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="Episodes of this tenant (another tenant's: admin tenants only).",
+    )
+    model: str | None = Field(None, min_length=1, max_length=128, description="Episodes of this model.")
+    status: Literal["open", "running", "idle", "ended", "discarded"] | None = Field(
+        None, description="open = running or idle (a Step in progress, or none)."
+    )
+    session_id: str | None = Field(
+        None, min_length=1, max_length=128, description="Episodes of this HTTP session (its branches too)."
+    )
+    request_id: str | None = Field(
+        None, min_length=1, max_length=128, description="Episodes a call with this x-request-id started or stepped."
+    )
+    group: str | None = Field(
+        None, min_length=1, max_length=128, description="Members of this GRPO group (its group_id)."
+    )
+    limit: int = Field(200, ge=1, le=5000, description="At most this many episodes, newest first (open ones first).")
+
+
+class EventsQuery(BaseModel):
+    """``GET /v1/inspect/events``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    last_event_id: str | None = Field(
+        None, max_length=64, description="Resume after this event id (as the Last-Event-ID header does)."
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ ERRORS = {
     "400": "malformed body or bad field (error.param names it)",
     "401": "missing or invalid bearer token",
     "403": "not allowed (admin routes; a session key used for another session)",
-    "404": "unknown session",
+    "404": "unknown session or episode (or the inspector is off)",
     "409": "the session has a call in progress",
     "413": "body too large",
     "429": "admission limit reached (Retry-After)",
@@ -49,13 +50,18 @@ class RouteSpec:
     body: type[BaseModel] | None = None
     session_header: bool = False
     public: bool = False  # no bearer token needed
+    query: type[BaseModel] | None = None  # the query string's parameters (a 400 names an unknown or bad one)
 
 
 def _operation(spec: RouteSpec, refs: dict[Any, Any]) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": spec.summary, "operationId": spec.handler.__name__}
-    params = []
-    if "{session_id}" in spec.path:
-        params.append({"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}})
+    params: list[dict[str, Any]] = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in re.findall(r"{(\w+)}", spec.path)
+    ]
+    if spec.query is not None:
+        props = spec.query.model_json_schema()["properties"]
+        params += [{"name": name, "in": "query", "required": False, "schema": schema} for name, schema in props.items()]
     if spec.session_header:
         params.append({"name": "X-Session-ID", "in": "header", "required": False, "schema": {"type": "string"}})
     if params:
