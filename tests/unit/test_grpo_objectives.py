@@ -22,6 +22,7 @@ from grpo.backprop import BackpropConfig, BackpropModule  # noqa: E402
 from grpo.losses import cispo_loss, clipped_surrogate, gspo_loss  # noqa: E402
 from grpo.masks import ORIGIN_NAMES  # noqa: E402
 from grpo.policy import group_forward  # noqa: E402
+from tests.unit.test_grpo_policy import tiny_model  # noqa: E402
 
 NAN = float("nan")
 
@@ -120,21 +121,6 @@ def test_opo_needs_lengths_and_checks_them() -> None:
 
 
 # -- in the trainer --------------------------------------------------------------------------------
-
-
-def tiny_model() -> Any:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    return transformers.LlamaForCausalLM(cfg).float()
 
 
 @dataclass
