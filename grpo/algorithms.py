@@ -88,7 +88,7 @@ class RLAlgorithm:
     ) -> None:
         import torch
 
-        self.inference = inference
+        self.inference = inference  # None in the trainer process (grpo.trainer): the orchestrator talks to the bridge
         self.rollouts = rollout_manager
         self.backprop = backprop
         self.config = c = config or AlgorithmConfig()
@@ -99,7 +99,7 @@ class RLAlgorithm:
         self.out.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = Path(c.ckpt.dir) if c.ckpt and c.ckpt.dir else self.out / "checkpoints"
         self.step = 0  # completed steps = the next batch's index
-        self.version = int(inference.policy_version)
+        self.version = int(inference.policy_version) if inference is not None else 0
         self.history: list[dict[str, float]] = []
         self.extra_state: dict[str, Any] = {}
         torch.manual_seed(c.seed)
@@ -119,15 +119,18 @@ class RLAlgorithm:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def learn(self, batch: Sequence[Trajectory]) -> dict[str, float]:
-        """Rewards, advantages and one update from ``batch`` (blocking; the loop runs it off the event loop)."""
+    def learn(self, batch: Sequence[Trajectory], save_weights: bool = True) -> dict[str, float]:
+        """Rewards, advantages and one update from ``batch`` (blocking; the loop runs it off the event loop); the
+        new weights go to ``<out>/weights`` (``save_weights=False``: the trainer process writes one directory per
+        step itself)."""
         t0 = time.perf_counter()
         rewards = self.rewards.compute_rewards(batch, self.config.reward_method)
         advs, extra = self.advantages(batch, rewards)
         if self.config.normalize_advantages:
             advs = normalize(advs, self.backprop.masks(batch, self.version))
         stats = self.backprop.update(batch, advs, trainer_version=self.version, **extra)
-        save_for_bridge(self.backprop.model, self.out / "weights")
+        if save_weights:
+            save_for_bridge(self.backprop.model, self.out / "weights")
         stats["reward"] = float(np.mean([t.reward for t in batch]))
         stats["reward_used"] = float(np.mean(rewards))
         stats["train_s"] = time.perf_counter() - t0
@@ -156,7 +159,17 @@ class RLAlgorithm:
         self.history.append(row)
         with (self.out / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"algorithm": self.name, **row}) + "\n")
-        keys = ("reward", "loss", "clip_frac", "kl", "value_loss", "policy_version", "rollout_s", "train_s")
+        keys = (
+            "reward",
+            "loss",
+            "clip_frac",
+            "kl",
+            "value_loss",
+            "policy_version",
+            "off_policy_gap",
+            "rollout_s",
+            "train_s",
+        )
         line = " ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keys if k in row)
         log.info("%s step=%d %s", self.name, row["step"], line)
         if self._bar is not None:
@@ -232,6 +245,15 @@ class RLAlgorithm:
         return d
 
     def load_checkpoint(self, step: int) -> None:
+        version = self.restore_checkpoint(step)
+        save_for_bridge(self.backprop.model, self.out / "weights")
+        if version != self.version:  # a fresh bridge: give it the checkpoint's weights under their version
+            self.version = self.inference.client.update_weights(
+                str((self.out / "weights").resolve()), policy_version=version
+            )
+
+    def restore_checkpoint(self, step: int) -> int:
+        """Load the checkpoint of ``step`` (model, optimizer, RNGs, algorithm state); returns its policy version."""
         import torch
 
         path = self.ckpt_dir / f"step_{step}" / "trainer.pt"
@@ -246,12 +268,7 @@ class RLAlgorithm:
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
-        version = int(state["policy_version"])
-        save_for_bridge(self.backprop.model, self.out / "weights")
-        if version != self.version:  # a fresh bridge: give it the checkpoint's weights under their version
-            self.version = self.inference.client.update_weights(
-                str((self.out / "weights").resolve()), policy_version=version
-            )
+        return int(state["policy_version"])
 
 
 class _OutOfTime(Exception):

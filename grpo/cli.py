@@ -2,10 +2,12 @@
 
 Configuration is prime-rl's layering (``core.layered_config``): ``primerl rl @ examples/grpo.toml
 --max-steps 6 --ckpt --ckpt.interval 3``, ``PRIMERL_MAX_STEPS=6``, ``--dry-run`` prints the resolved TOML.
-The orchestrator (``RolloutManager`` over the bridge) and the trainer (``BackpropModule``) run in this
-process, the bridge as a child (``bridge.target`` names a running one instead). ``primerl trainer`` and
-``primerl orchestrator`` take the same config and run the same loop against ``bridge.target`` (the roles are
-not split across processes yet: both train and sample, like ``rl`` without starting a bridge).
+Given one config (``@ examples/grpo.toml``), the orchestrator (``RolloutManager`` over the bridge) and the
+trainer (``BackpropModule``) run in this process, the bridge as a child (``bridge.target`` names a running one
+instead). Given a config per component (``primerl rl --trainer @ t.toml --orchestrator @ o.toml --inference @
+i.toml``), ``grpo.launcher`` runs them as three processes, as prime-rl does: ``primerl inference`` (the bridge),
+``primerl orchestrator`` (``grpo.orchestrator``) and ``primerl trainer`` (``grpo.trainer``), asynchronous by
+``max_async_level`` steps.
 
 A run writes ``<out_dir>/metrics.jsonl`` (one record per step), ``<out_dir>/weights/``, checkpoints under
 ``<out_dir>/checkpoints/step_N`` (``--ckpt``) and, with ``eval.problems > 0``, a held-out evaluation
@@ -20,45 +22,20 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from grpo.algorithms import AlgorithmConfig
 from grpo.backprop import BackpropConfig
 from grpo.commands import COMMANDS
 from grpo.rollout import RolloutConfig
+from grpo.run_config import BridgeSection, EvalSection, TaskSection, evaluate_policy, task_environment
 
 log = logging.getLogger("primerl.rl")
-
-
-class BridgeSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    target: str = Field("", description="host:port of a running bridge; empty starts one as a child process.")
-    engine: str = Field("embedded", description="Engine of the child bridge.")
-    args: list[str] = Field(default_factory=list, description="Extra `primerl serve` arguments for the child.")
-
-
-class TaskSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: Literal["arithmetic"] = Field("arithmetic", description="The task: arithmetic through a calculator tool.")
-    problems: int = Field(4096, ge=1, description="Training problems (cycled through in order).")
-    max_operand: int = Field(60, ge=2, description="Operands are drawn from [2, max_operand].")
-    ops: str = Field("+-", min_length=1, description="Operators to draw from (any of + - *).")
-    operands: int = Field(2, ge=2, le=4, description="Operands per problem.")
-    seed: int = Field(0, ge=0, description="Seed of the training problems.")
-
-
-class EvalSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    problems: int = Field(0, ge=0, description="Held-out problems evaluated before and after training (0 = off).")
-    seed: int = Field(10_000, ge=0, description="Seed of the held-out problems (distinct from the training seed).")
 
 
 class RLConfig(AlgorithmConfig):
@@ -92,10 +69,8 @@ def build(cfg: RLConfig, target: str) -> Any:
     """The algorithm for ``cfg`` against the bridge at ``target`` (model, environment, modules)."""
     import grpo
     from engines.model_store import load_model_and_tokenizer, resolve_model_dir
-    from grpo.tasks import ArithmeticEnvironment, make_problems
 
-    t = cfg.task
-    env = ArithmeticEnvironment(make_problems(t.problems, t.seed, t.max_operand, ops=t.ops, operands=t.operands))
+    env = task_environment(cfg.task)
     inference = grpo.InferenceModule(target)
     rollouts = grpo.RolloutManager(inference, env, cfg.rollout)
     model, _ = load_model_and_tokenizer(Path(cfg.model) if cfg.model else resolve_model_dir(None))
@@ -109,21 +84,8 @@ def build(cfg: RLConfig, target: str) -> Any:
 
 def evaluate(algo: Any, cfg: RLConfig) -> dict[str, float]:
     """Greedy exact-answer rate and mean reward on ``eval.problems`` held-out problems."""
-    from grpo.rollout import RolloutManager
-    from grpo.tasks import ArithmeticEnvironment, make_problems
-
-    t = cfg.task
-    held_out = make_problems(cfg.eval.problems, cfg.eval.seed, t.max_operand, ops=t.ops, operands=t.operands)
     train_set = {p.question for p in algo.rollouts.environment.prompts}
-    held_out = [p for p in held_out if p.question not in train_set] or held_out
-    rc = cfg.rollout.model_copy(update={"num_prompts": len(held_out), "group_size": 1, "temperature": 0.0})
-    batch = RolloutManager(algo.inference, ArithmeticEnvironment(held_out), rc).collect(0)
-    correct = [t.state.info.get("components", {}).get("correct", 0.0) for t in batch]
-    return {
-        "problems": float(len(batch)),
-        "correct": sum(correct) / len(batch),
-        "reward": sum(b.reward for b in batch) / len(batch),
-    }
+    return evaluate_policy(algo.inference, cfg.task, cfg.eval, cfg.rollout, train_set)
 
 
 def run_rl(cfg: RLConfig) -> int:
@@ -193,20 +155,35 @@ def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def run_command(command: str, argv: list[str]) -> int:
-    """``primerl rl | trainer | orchestrator`` with layered config; exits 2 on a bad config."""
+    """``primerl rl | trainer | orchestrator`` with layered config; exits 2 on a bad config, 1 on a failed run."""
     import signal
 
     from core.layered_config import run_cli
+    from grpo.exchange import ExchangeError
+    from grpo.launcher import is_launch, launch
+    from grpo.orchestrator import OrchestratorConfig, run_orchestrator
+    from grpo.trainer import TrainerConfig, run_trainer
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind like Ctrl-C: the bridge child is stopped
+    if command == "rl" and is_launch(argv):
+        return launch(argv)
+    entry: dict[str, tuple[type[BaseModel], Callable[[Any], int]]] = {
+        "rl": (RLConfig, run_rl),
+        "trainer": (TrainerConfig, run_trainer),
+        "orchestrator": (OrchestratorConfig, run_orchestrator),
+    }
+    cls, run = entry[command]
     try:
-        cfg = run_cli(RLConfig, argv, prog=f"primerl {command}", description=__doc__)
+        cfg = run_cli(cls, argv, prog=f"primerl {command}", description=sys.modules[run.__module__].__doc__)
     except SystemExit as exc:
         return int(exc.code or 0)
-    if command != "rl" and not cfg.bridge.target:
-        print(f"primerl {command}: set bridge.target (host:port of a running bridge)", file=sys.stderr)
-        return 2
-    return run_rl(cfg)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind like Ctrl-C: children stopped
+    try:
+        return run(cfg)
+    except ExchangeError as exc:
+        print(f"primerl {command}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,4 +197,14 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["RLConfig", "build", "evaluate", "main", "run_command", "run_rl"]
+__all__ = [
+    "BridgeSection",
+    "EvalSection",
+    "RLConfig",
+    "TaskSection",
+    "build",
+    "evaluate",
+    "main",
+    "run_command",
+    "run_rl",
+]

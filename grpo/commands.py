@@ -11,9 +11,9 @@ COMMANDS = ("rl", "trainer", "orchestrator")
 def add_rl_parsers(sub: Any) -> None:
     """List the entry points in ``primerl --help`` (their flags are layered config: ``primerl rl --help``)."""
     for name, text in (
-        ("rl", "single-node RL: a bridge child, the orchestrator and the trainer (@ rl.toml, --max-steps, --ckpt)"),
-        ("trainer", "the RL loop against a running bridge (bridge.target)"),
-        ("orchestrator", "the RL loop against a running bridge (bridge.target)"),
+        ("rl", "single-node RL: in one process (@ rl.toml) or as three (--trainer @ --orchestrator @ --inference @)"),
+        ("trainer", "the trainer process: batches in, one weights directory per step out (@ trainer.toml)"),
+        ("orchestrator", "the orchestrator process: rollouts through a bridge (bridge.target), batches out"),
     ):
         sub.add_parser(name, help=text, add_help=False)
 

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",
+        aliases=["inference"],  # prime-rl's name for it (primerl rl --inference @ i.toml starts it)
         help="run the gRPC bridge",
         add_help=False,  # --help also lists every layered setting (core.layered_config)
         allow_abbrev=False,  # --engine.type and friends go to the layered config, never to --engine
@@ -165,6 +166,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["inference"]:  # prime-rl's name of the inference component: the bridge
+        argv = ["serve", *argv[1:]]
     if argv[:1] == ["bench"]:  # its own flags (bench/matrix.py), passed through
         return _bench(argv[1:])
     if argv[:1] and argv[0] in RL_COMMANDS:  # layered config (@ FILE, --section.key): grpo.cli, imported now (torch)

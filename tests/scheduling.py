@@ -41,7 +41,9 @@ GROUPS = {  # modules that share a session-scoped server: one unit, one worker, 
     ),
 }
 SHARED_FIXTURES = {"vllm_url": "vllm"}  # the session fixture each group exists for
-SPLIT = frozenset({f"{INTEGRATION}test_rl_primitives.py"})  # one unit per test: training runs, independent
+SPLIT = frozenset(
+    {f"{INTEGRATION}test_rl_primitives.py", f"{INTEGRATION}test_rl_components.py"}
+)  # one unit per test: training runs, independent
 UNKNOWN_S = 10.0  # a unit with no estimate yet (a new module)
 
 _MODULE_GROUP = {module: group for group, modules in GROUPS.items() for module in modules}

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.layered_config import ConfigError, load_config, run_cli, to_toml
 from grpo.cli import RLConfig
+from grpo.orchestrator import OrchestratorConfig
+from grpo.trainer import TrainerConfig
 from server.config import Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -221,7 +223,10 @@ def test_serve_dry_run_keeps_config_and_short_flags_and_takes_every_layer(tmp_pa
 # no rule names fails the test below, so a new one must be placed here.
 SCHEMAS: list[tuple[str, type[BaseModel]]] = [
     ("examples/bridge", Settings),  # primerl serve
-    ("examples/", RLConfig),  # the other examples (grpo.toml, ppo.toml ...): primerl rl / trainer / orchestrator
+    ("examples/rl/inference", Settings),  # primerl inference (= serve), started by primerl rl --inference @
+    ("examples/rl/trainer", TrainerConfig),  # primerl trainer
+    ("examples/rl/orchestrator", OrchestratorConfig),  # primerl orchestrator
+    ("examples/", RLConfig),  # the other examples (grpo.toml, ppo.toml ...): primerl rl in one process
 ]
 NOT_CONFIGS = {"pyproject.toml"}  # packaging metadata (the repo's, a deploy image's), no entry point reads it
 

@@ -1,0 +1,147 @@
+"""prime-rl's three components as three processes (issue 37, acceptance 1-3): ``primerl rl --trainer @ ...
+--orchestrator @ ... --inference @ ...`` on the embedded engine.
+
+The run is the shipped example (``examples/rl/``: ``make run``'s task and settings) with ``max_async_level = 2``:
+ten steps, every batch sampled from policy ``max(0, S - 2)`` (from the versions the bridge recorded on its tokens),
+rollouts overlapping training (the recorded timestamps), the held-out reward up. The orchestrator runs one episode
+at a time (``rollout.max-concurrent 1``: the engine's batching, hence every float, is the same in every run), so a
+run resumed from the step-6 checkpoints into another directory (a fresh bridge, given policy 4 from the trainer
+checkpoint by the orchestrator) has steps 7-10 equal to the uninterrupted run's, and ends with the same weights bit
+for bit (the optimizer moments were restored: AdamW's update depends on them). This replaces the single-process
+``test_rl_resume.py`` of issue 23 as the resume test: the same assertions, through the trainer's checkpoint.
+Killing the trainer process ends the run, naming it, with a non-zero exit and no component left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from grpo.exchange import RunDir
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPONENTS = [
+    "--trainer", "@", "examples/rl/trainer.toml",
+    "--orchestrator", "@", "examples/rl/orchestrator.toml",
+    "--inference", "@", "examples/rl/inference.toml",
+    "--inference.log-level", "WARNING",
+]  # fmt: skip
+K = 2
+
+
+def primerl_rl(out: Path, *flags: str, timeout: float = 2400) -> str:
+    cmd = [sys.executable, "-m", "server", "rl", *COMPONENTS, "--out-dir", str(out), "--max-async-level", str(K)]
+    proc = subprocess.run([*cmd, *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def rows(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
+
+
+def weights(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.timeout(2400)
+def test_three_processes_async_by_two_learn_and_resume_exactly(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    one_at_a_time = ("--orchestrator.rollout.max-concurrent", "1")
+    stdout = primerl_rl(a, "--max-steps", "10", "--ckpt", "--ckpt.interval", "6", *one_at_a_time)
+    for prefix in ("[inference] ", "[orchestrator] ", "[trainer] "):
+        assert prefix in stdout, stdout[-3000:]
+    straight = rows(a)
+    assert [r["step"] for r in straight] == list(range(1, 11))
+    # the per-step table: the policy each batch was sampled from and the off-policy gap
+    table = stdout[stdout.index("     step") :].splitlines()
+    assert table[0].split() == ["step", "reward", "loss", "policy", "sampled", "gap", "rollout_s", "train_s"], table
+    assert [line.split()[4:6] for line in table[1:11]] == [[str(max(0, s - K)), str(s - max(0, s - K))] for s in
+                                                            range(10)], table  # fmt: skip
+
+    # every batch from policy max(0, S - 2), by the versions the bridge recorded on its sampled tokens
+    run = RunDir(a)
+    for s in range(10):
+        batch = run.read_batch(s)
+        assert batch.token_versions() == (max(0, s - K), max(0, s - K)), (s, batch.token_versions())
+        assert straight[s]["off_policy_gap"] == s - max(0, s - K) <= K
+    # rollouts overlap training: batch S+1 (or S+2) is sampled while the trainer trains on batch S
+    overlapping = [
+        s for s in range(9)
+        if any(straight[t]["rollout_start"] < straight[s]["train_end"] and straight[s]["train_start"] <
+               straight[t]["rollout_end"] for t in (s + 1, min(s + 2, 9)))
+    ]  # fmt: skip
+    assert len(overlapping) >= 5, [
+        (r["rollout_start"], r["rollout_end"], r["train_start"], r["train_end"]) for r in straight
+    ]
+    # the held-out reward rises (greedy, 30 problems of another seed, before on policy 0 and after on policy 10)
+    report = json.loads((a / "eval.json").read_text())
+    print(f"\nheld-out: {report}\nrewards per step: {[round(r['reward'], 3) for r in straight]}")
+    assert (report["before"]["policy"], report["after"]["policy"]) == (0, 10)
+    assert report["after"]["reward"] > report["before"]["reward"] + 0.05, report
+    assert sorted(p.name for p in (a / "checkpoints" / "trainer").iterdir()) == ["step_10", "step_6"]
+    assert sorted(p.name for p in (a / "checkpoints" / "orchestrator").iterdir()) == ["step_10", "step_6"]
+
+    # resume from step 6 in another directory, on a fresh bridge
+    primerl_rl(b, "--max-steps", "10", "--ckpt.dir", str(a / "checkpoints"), "--ckpt.resume-step", "6",
+               "--orchestrator.eval.problems", "0", *one_at_a_time)  # fmt: skip
+    resumed = rows(b)
+    assert [r["step"] for r in resumed] == [7, 8, 9, 10]
+    keys = ("reward", "reward_std", "loss", "grad_norm", "policy_version", "trained_tokens", "clip_frac")
+    keys += ("batch_policy", "off_policy_gap")
+    for got, want in zip(resumed, straight[6:], strict=True):
+        assert {k: got[k] for k in keys} == pytest.approx({k: want[k] for k in keys}, rel=1e-9, abs=1e-12), (got, want)
+    assert any(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in straight[6:])  # steps that trained
+    # the orchestrator gave the fresh bridge the checkpoint's policies 4 and 5, then the trainer's 6 and 7
+    loads = rows(b, "orchestrator.jsonl")
+    assert [(r["step"], r["policy"], r["loaded"]) for r in loads] == [(6, 4, True), (7, 5, True), (8, 6, True),
+                                                                       (9, 7, True)]  # fmt: skip
+    ckpt_weights = a / "checkpoints" / "trainer" / "step_6" / "weights"
+    assert [r["weights"] for r in loads[:2]] == [str(ckpt_weights / "step_4"), str(ckpt_weights / "step_5")]
+    wa, wb = weights(a / "weights" / "step_10"), weights(b / "weights" / "step_10")
+    assert wa.keys() == wb.keys()
+    assert all(wa[k].equal(wb[k]) for k in wa), [k for k in wa if not wa[k].equal(wb[k])][:5]
+
+
+@pytest.mark.timeout(600)
+def test_killing_the_trainer_ends_the_run_naming_it(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "server", "rl", *COMPONENTS, "--out-dir", str(tmp_path), "--max-steps", "10"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    pids: dict[str, int] = {}
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("primerl rl: pids: "):  # "inference 123, orchestrator 124, trainer 125"
+                pids = {n: int(p) for n, p in (x.split() for x in line.split(": ", 2)[2].split(", "))}
+                break
+        assert set(pids) == {"inference", "orchestrator", "trainer"}, "".join(lines)[-3000:]
+        ps = subprocess.run(["ps", "-o", "pid=,args=", "-p", ",".join(map(str, pids.values()))], capture_output=True,
+                            text=True, check=True).stdout  # fmt: skip
+        for name, pid in pids.items():
+            assert any(r.split(None, 1)[0] == str(pid) and f"-m server {name}" in r for r in ps.splitlines()), ps
+        os.kill(pids["trainer"], signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    out = "".join(lines) + rest
+    assert proc.returncode == 1, out[-3000:]
+    assert f"primerl rl: the trainer (pid {pids['trainer']}) was killed by SIGKILL; stopping the others" in out
+    time.sleep(0.5)
+    for name in ("inference", "orchestrator"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pids[name], 0)  # stopped and reaped by the launcher
