@@ -146,7 +146,8 @@ class Orchestrator:
             p["problems"] += cfg.rollout.num_prompts
             reward = float(np.mean([t.reward for t in trajectories]))
             record = {"step": step, "policy": policy, "weights": str(self.weights_dir(policy)), "loaded": loaded}
-            record |= {"rollout_start": t0, "rollout_end": t1, "reward": reward, **p}
+            record |= {"rollout_start": t0, "rollout_end": t1, "reward": reward}
+            record |= {"tokens": p["tokens"], "samples": p["samples"], "problems": p["problems"]}
             with (self.run.root / "orchestrator.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
             log.info("batch %d from policy %d: reward %.3f, %.1f s", step, policy, reward, t1 - t0)

@@ -35,7 +35,6 @@ COMPONENTS = [
     "--trainer", "@", "examples/rl/trainer.toml",
     "--orchestrator", "@", "examples/rl/orchestrator.toml",
     "--inference", "@", "examples/rl/inference.toml",
-    "--inference.log-level", "WARNING",
 ]  # fmt: skip
 K = 2
 
@@ -68,7 +67,7 @@ def test_three_processes_async_by_two_learn_and_resume_exactly(tmp_path: Path) -
     assert [r["step"] for r in straight] == list(range(1, 11))
     # the per-step table: the policy each batch was sampled from and the off-policy gap
     table = stdout[stdout.index("     step") :].splitlines()
-    assert table[0].split() == ["step", "reward", "loss", "policy", "sampled", "gap", "rollout_s", "train_s"], table
+    assert table[0].split() == ["step", "reward", "loss", "policy", "sampled", "gap", "k3_kl", "rollout_s", "train_s"]
     assert [line.split()[4:6] for line in table[1:11]] == [[str(max(0, s - K)), str(s - max(0, s - K))] for s in
                                                             range(10)], table  # fmt: skip
 
