@@ -129,6 +129,13 @@ class RLAlgorithm:
         if self.config.normalize_advantages:
             advs = normalize(advs, self.backprop.masks(batch, self.version))
         stats = self.backprop.update(batch, advs, trainer_version=self.version, **extra)
+        kl, limit = stats.get("mismatch/k3_kl", float("nan")), self.backprop.config.mismatch_warn_kl
+        if limit and kl > limit:  # NaN (nothing on-policy) compares False
+            log.warning(
+                "step %d: trainer-inference k3 KL %.3g > mismatch_warn_kl %.3g (max |d logprob| %.3g over %d tokens): "
+                "the engine did not sample from the distribution the trainer computes",
+                self.step + 1, kl, limit, stats["mismatch/abs_max"], int(stats["mismatch/tokens"]),
+            )  # fmt: skip
         if save_weights:
             save_for_bridge(self.backprop.model, self.out / "weights")
         stats["reward"] = float(np.mean([t.reward for t in batch]))

@@ -38,6 +38,7 @@ from grpo.losses import (
     value_loss,
 )
 from grpo.masks import loss_mask, version_mask
+from grpo.mismatch import MismatchMonitor
 from grpo.policy import GroupForward, group_forward, pad_right
 
 FloatArray = npt.NDArray[np.float64]
@@ -70,6 +71,9 @@ class BackpropConfig(BaseModel):
     value_clip: float = Field(0.2, ge=0, description="Clip of the value update (PPO2 value loss).")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    mismatch_warn_kl: float = Field(
+        1e-3, ge=0, description="Warn when a step's trainer-inference k3 KL (grpo.mismatch) passes this (0 = never)."
+    )
 
 
 def _groups(batch: Sequence[Any]) -> list[list[int]]:
@@ -176,11 +180,13 @@ class BackpropModule:
         if self.value_opt is not None:
             self.value_opt.zero_grad(set_to_none=True)
         n = len(batch)
+        monitor = MismatchMonitor()
         for idx in _groups(batch):
             w = len(idx) / n
-            group_stats = self._group_loss(batch, idx, advs, masks, returns, old_values, w)
+            group_stats = self._group_loss(batch, idx, advs, masks, returns, old_values, w, monitor, trainer_version)
             for k, v in group_stats.items():
                 stats[k] += v * w
+        stats |= monitor.figures()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         stats["grad_norm"] = float(norm)
         if not torch.isfinite(norm):  # never step into non-finite weights
@@ -203,6 +209,8 @@ class BackpropModule:
         returns: Sequence[FloatArray] | None,
         old_values: Sequence[FloatArray] | None,
         weight: float,
+        monitor: MismatchMonitor | None = None,
+        trainer_version: int = 0,
     ) -> dict[str, float]:
         import torch
 
@@ -216,6 +224,17 @@ class BackpropModule:
             for i, q in zip(idx, p, strict=True)
         ]
         old_lp = pad_right(old, 0.0, torch.float32)
+        if monitor is not None:  # the engine's logprobs against the trainer's, on the tokens trained on
+            trainer_lp, trained = fwd.logprobs.detach().double().numpy(), mask.numpy()
+            for j, (i, q) in enumerate(zip(idx, p, strict=True)):
+                tok, sel = batch[i].tokens, trained[j, : len(batch[i].tokens) - q]
+                monitor.add(
+                    trainer_lp[j, : sel.size][sel],
+                    np.asarray(tok.logprobs[q:], np.float64)[sel],
+                    np.asarray(tok.origins[q:])[sel],
+                    np.asarray(tok.policy_versions[q:])[sel],
+                    trainer_version,
+                )
         adv_t = pad_right([advs[i] for i in idx], 0.0, torch.float32)
         if c.loss == "aipo":
             loss, st = token_is_loss(fwd.logprobs, old_lp, adv_t, mask, cap=c.is_cap, mode=c.aggregation)

@@ -32,6 +32,7 @@ from pydantic import BaseModel, Field
 from grpo.algorithms import AlgorithmConfig
 from grpo.backprop import BackpropConfig
 from grpo.commands import COMMANDS
+from grpo.plots import plot
 from grpo.rollout import RolloutConfig
 from grpo.run_config import BridgeSection, EvalSection, TaskSection, evaluate_policy, task_environment
 
@@ -132,26 +133,6 @@ def _bench_summary(algo: Any, wall_s: float) -> None:
     }
     (algo.out / "bench.json").write_text(json.dumps(figures | {"per_step": rows}, indent=1))
     print(json.dumps(figures))
-
-
-def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
-    """The reward curve (mean reward and correct answers per step) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = [r["step"] for r in history]
-    ax.plot(steps, [r["reward"] for r in history], marker="o", label="mean reward")
-    if history and "reward/correct" in history[0]:
-        ax.plot(steps, [r["reward/correct"] for r in history], marker=".", linestyle="--", label="correct answer")
-    ax.set(xlabel="step", ylabel="reward (0-1)", ylim=(-0.02, 1.02), title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run_command(command: str, argv: list[str]) -> int:

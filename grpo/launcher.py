@@ -6,7 +6,8 @@ It starts ``primerl inference`` (the bridge, on a free port), waits until it ser
 ``[inference]`` / ``[orchestrator]`` / ``[trainer]`` prefix; and stops all three on Ctrl-C or as soon as one fails,
 naming it and its exit code (a non-zero exit). When the trainer and the orchestrator are done it stops the bridge
 and prints the per-step table (``<out_dir>/metrics.jsonl``: reward, loss, the policy each batch was sampled from and
-the off-policy gap, rollout and training times) and the held-out evaluation.
+the off-policy gap, the trainer-inference mismatch of the on-policy tokens (``grpo.mismatch``; NaN when a step had
+none), rollout and training times) and the held-out evaluation.
 
 Arguments: ``--trainer @ FILE`` (and ``--orchestrator``, ``--inference``) give a component its config files;
 ``--trainer.KEY VALUE`` sets one of its keys; the run-wide keys (``--max-steps``, ``--max-async-level``,
@@ -188,6 +189,13 @@ def launch(argv: Sequence[str], sink: TextIO = sys.stdout) -> int:
         stop_all()
         signal.signal(signal.SIGTERM, previous)
     sink.write(table(Path(tcfg.out_dir)))
+    metrics = Path(tcfg.out_dir) / "metrics.jsonl"
+    if metrics.is_file():
+        from grpo.plots import plot
+
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+        plot(rows, Path(tcfg.out_dir) / "reward_curve.png", f"{tcfg.algorithm}, max_async_level {tcfg.max_async_level}")
+        sink.write(f"reward curve: {Path(tcfg.out_dir) / 'reward_curve.png'}\n")
     return 0
 
 
@@ -211,11 +219,16 @@ def table(out: Path) -> str:
     """The per-step table of a finished run, and its held-out evaluation."""
     path = out / "metrics.jsonl"
     rows: list[dict[str, Any]] = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
-    cols = ("step", "reward", "loss", "policy", "sampled", "gap", "rollout_s", "train_s")
+    cols = ("step", "reward", "loss", "policy", "sampled", "gap", "k3_kl", "rollout_s", "train_s")
     lines = ["", " ".join(f"{c:>9}" for c in cols)]
     for r in rows:
         cells = [r["step"], r["reward"], r["loss"], r["policy_version"], r.get("batch_policy", "")]
-        cells += [r.get("off_policy_gap", ""), r.get("rollout_s", 0.0), r.get("train_s", 0.0)]
+        cells += [
+            r.get("off_policy_gap", ""),
+            r.get("mismatch/k3_kl", ""),
+            r.get("rollout_s", 0.0),
+            r.get("train_s", 0.0),
+        ]
         lines.append(" ".join(f"{c:>9.4g}" if isinstance(c, float) else f"{c:>9}" for c in cells))
     ev = out / "eval.json"
     if ev.is_file():

@@ -168,18 +168,11 @@ def test_the_table_shows_the_sampling_policy_and_the_gap(tmp_path: Path) -> None
     import json
 
     rows = [{"step": 3, "reward": 0.5, "loss": 0.01, "policy_version": 3, "batch_policy": 0, "off_policy_gap": 2}]
+    rows[0]["mismatch/k3_kl"] = 2.5e-6
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "eval.json").write_text(json.dumps({"before": {"correct": 0.4, "reward": 0.6, "policy": 0.0}}))
     text = table(tmp_path)
-    assert text.splitlines()[1].split() == [
-        "step",
-        "reward",
-        "loss",
-        "policy",
-        "sampled",
-        "gap",
-        "rollout_s",
-        "train_s",
-    ]
-    assert text.splitlines()[2].split()[:6] == ["3", "0.5", "0.01", "3", "0", "2"]
+    head = ["step", "reward", "loss", "policy", "sampled", "gap", "k3_kl", "rollout_s", "train_s"]
+    assert text.splitlines()[1].split() == head
+    assert text.splitlines()[2].split()[:7] == ["3", "0.5", "0.01", "3", "0", "2", "2.5e-06"]
     assert "held-out before: 40.0% correct, reward 0.600 (policy 0)" in text
