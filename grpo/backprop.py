@@ -29,11 +29,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from grpo import advantages as adv
 from grpo.losses import (
     Aggregation,
+    Correction,
     aggregate,
     cispo_loss,
     clipped_surrogate,
     gspo_loss,
     kl_k3,
+    mismatch_weights,
     token_is_loss,
     value_loss,
 )
@@ -71,6 +73,14 @@ class BackpropConfig(BaseModel):
     value_clip: float = Field(0.2, ge=0, description="Clip of the value update (PPO2 value loss).")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    correction: Correction = Field(
+        "none",
+        description="Trainer-inference mismatch correction (grpo.losses.mismatch_weights): none, tis (truncated "
+        "importance sampling), mis (IcePop's masked band) or seq_mask (a sequence's geometric-mean ratio).",
+    )
+    tis_cap: float = Field(2.0, gt=0, description="tis: cap C of the trainer/engine ratio.")
+    mis_low: float = Field(0.5, gt=0, description="mis, seq_mask: lower bound of the kept ratio band.")
+    mis_high: float = Field(2.0, gt=0, description="mis, seq_mask: upper bound of the kept ratio band.")
     mismatch_warn_kl: float = Field(
         1e-3, ge=0, description="Warn when a step's trainer-inference k3 KL (grpo.mismatch) passes this (0 = never)."
     )
@@ -185,7 +195,7 @@ class BackpropModule:
             w = len(idx) / n
             group_stats = self._group_loss(batch, idx, advs, masks, returns, old_values, w, monitor, trainer_version)
             for k, v in group_stats.items():
-                stats[k] += v * w
+                stats[k] = stats.get(k, 0.0) + v * w
         stats |= monitor.figures()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         stats["grad_norm"] = float(norm)
@@ -224,6 +234,11 @@ class BackpropModule:
             for i, q in zip(idx, p, strict=True)
         ]
         old_lp = pad_right(old, 0.0, torch.float32)
+        weights = None
+        if c.correction != "none":  # the mismatch goes into a weight; the ratio is measured from the trainer's own
+            kw_w = {"cap": c.tis_cap, "low": c.mis_low, "high": c.mis_high}
+            weights = mismatch_weights(fwd.logprobs, old_lp, mask, c.correction, **kw_w)
+            old_lp = fwd.logprobs.detach()
         if monitor is not None:  # the engine's logprobs against the trainer's, on the tokens trained on
             trainer_lp, trained = fwd.logprobs.detach().double().numpy(), mask.numpy()
             for j, (i, q) in enumerate(zip(idx, p, strict=True)):
@@ -236,6 +251,8 @@ class BackpropModule:
                     trainer_version,
                 )
         adv_t = pad_right([advs[i] for i in idx], 0.0, torch.float32)
+        if weights is not None:
+            adv_t = adv_t * weights
         if c.loss == "aipo":
             loss, st = token_is_loss(fwd.logprobs, old_lp, adv_t, mask, cap=c.is_cap, mode=c.aggregation)
         elif c.loss == "gspo":
@@ -247,6 +264,10 @@ class BackpropModule:
             kw = {"clip_low": c.clip_low, "clip_high": c.clip_high, "mode": c.aggregation}
             loss, st = clipped_surrogate(fwd.logprobs, old_lp, adv_t, mask, **kw)  # type: ignore[arg-type]
         out = {"loss": float(loss.detach()), "clip_frac": st["clip_frac"], "ratio": st["ratio_mean"]}
+        if weights is not None:  # what the correction kept (share of trained tokens with a weight) and their weight
+            n_tok = float(mask.sum().clamp(min=1))
+            out["correction/kept"] = float((weights > 0).sum()) / n_tok
+            out["correction/mean_weight"] = float(weights.sum()) / n_tok
         if self.ref is not None:
             with torch.no_grad():
                 prompt = batch[idx[0]].tokens.token_ids[: p[0]]

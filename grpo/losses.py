@@ -1,6 +1,7 @@
 """Policy losses (torch): the clipped surrogate (PPO/GRPO), prime-rl's token-level importance-sampling objective
 (AIPO), GSPO's sequence-level ratio and clipping, CISPO's clipped importance weights, the k3 KL estimator, the
-clipped value loss.
+clipped value loss, and the per-token weights that correct for a trainer-inference mismatch (TIS, MIS/IcePop,
+sequence-level masking).
 
 Inputs are ``[batch, tokens]`` tensors with a boolean ``mask`` of the tokens to train on. Aggregation:
 
@@ -172,6 +173,50 @@ def cispo_loss(
     return loss, stats
 
 
+Correction = Literal["none", "tis", "mis", "seq_mask"]
+
+
+def mismatch_weights(
+    trainer_logprobs: torch.Tensor,
+    engine_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Correction,
+    *,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> torch.Tensor:
+    """Per-token weights (no gradient) that correct for the engine having sampled from another distribution than
+    the one the trainer computes, ``r = exp(trainer - engine)`` per token:
+
+    * ``"tis"``: truncated importance sampling, ``min(r, cap)`` (prime-rl's and verl's TIS; Yao et al. 2025);
+    * ``"mis"``: masked importance sampling, 1 where ``low <= r <= high`` and 0 outside (IcePop's two-sided band);
+    * ``"seq_mask"``: 1 for every token of a sequence whose geometric-mean ratio ``exp(mean log r)`` over its
+      masked tokens lies in ``[low, high]``, 0 for every token of the others;
+    * ``"none"``: 1.
+
+    The trainer multiplies each token's advantage by its weight and takes its own logprobs (no gradient) as the
+    behaviour policy of the clipped ratio, so the ratio measures the update and the weight the mismatch.
+    """
+    m = mask.bool()
+    with torch.no_grad():
+        log_r = torch.where(m, trainer_logprobs.detach() - engine_logprobs, torch.zeros_like(engine_logprobs))
+        if mode == "tis":
+            w = torch.exp(log_r).clamp(max=cap)
+        elif mode == "mis":
+            r = torch.exp(log_r)
+            w = ((r >= low) & (r <= high)).to(log_r.dtype)
+        elif mode == "seq_mask":
+            mf = m.to(log_r.dtype)
+            g = torch.exp((log_r * mf).sum(dim=1) / mf.sum(dim=1).clamp(min=1.0))
+            w = ((g >= low) & (g <= high)).to(log_r.dtype).unsqueeze(1).expand_as(log_r)
+        elif mode == "none":
+            w = torch.ones_like(log_r)
+        else:
+            raise ValueError(f"unknown mismatch correction {mode!r}: none, tis, mis or seq_mask")
+        return torch.where(m, w, torch.zeros_like(w))
+
+
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(policy || reference) (Schulman): ``exp(r) - r - 1``, ``r = ref - logp``."""
     r = ref_logprobs - logprobs
@@ -189,11 +234,13 @@ def value_loss(
 
 __all__ = [
     "Aggregation",
+    "Correction",
     "aggregate",
     "cispo_loss",
     "clipped_surrogate",
     "gspo_loss",
     "kl_k3",
+    "mismatch_weights",
     "token_is_loss",
     "value_loss",
 ]
