@@ -82,6 +82,11 @@ def test_quick_start_ppo_trains_with_a_progress_bar(
     for row in history:
         assert np.isfinite(row["loss"]) and row["trained_tokens"] > 0
         assert row["ratio"] == pytest.approx(1.0, abs=1e-3)  # on-policy: trainer and engine agree
+        # the mismatch monitor (issue 38) covers every trained token (all sampled by the trainer's own policy) and
+        # stays below the warning threshold
+        assert row["mismatch/tokens"] == row["trained_tokens"] and row["mismatch/k3_kl"] < 1e-3, row
+        assert all(f"mismatch/{k}" in records[0] for k in ("abs_mean", "abs_max", "out_0.9_1.1", "out_0.5_2"))
+        print(f"\nembedded engine vs trainer: k3 KL {row['mismatch/k3_kl']:.3g}, max |d| {row['mismatch/abs_max']:.3g}")
     assert rollout_manager.last_stats.episodes == 2
 
 

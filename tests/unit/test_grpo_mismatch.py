@@ -3,7 +3,9 @@ fixed batch, in the monitor alone and through ``BackpropModule.update`` on a tin
 
 from __future__ import annotations
 
+import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,3 +74,30 @@ def test_the_trainer_reports_the_mismatch_it_trains_with() -> None:
     assert stats["mismatch/abs_max"] == pytest.approx(float(np.abs(d).max()), rel=1e-4)
     assert stats["mismatch/out_0.9_1.1"] == pytest.approx(float(np.mean((np.exp(d) < 0.9) | (np.exp(d) > 1.1))))
     assert stats["mismatch/sampled/tokens"] == d.size
+
+
+def test_a_step_past_the_threshold_is_named_in_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("torch")
+    from grpo.algorithms import AlgorithmConfig, GRPOAlgorithm
+    from grpo.backprop import BackpropConfig, BackpropModule
+    from grpo.trainer import Offline
+    from tests.unit.test_grpo_objectives import group_batch
+    from tests.unit.test_grpo_policy import tiny_model
+
+    model = tiny_model()
+    algo = GRPOAlgorithm(
+        Offline(0), None, BackpropModule(model, BackpropConfig(lr=1e-3)), AlgorithmConfig(out_dir=str(tmp_path))
+    )  # type: ignore[arg-type]
+    batch = group_batch(model, [1.0, 0.0, 0.0, 1.0])
+    with caplog.at_level(logging.WARNING, logger="primerl.rl"):
+        stats = algo.learn(batch, save_weights=False)  # on-policy: the engine logprobs are the model's own
+    assert stats["mismatch/k3_kl"] < 1e-9 and "trainer-inference k3 KL" not in caplog.text
+    batch = group_batch(model, [1.0, 0.0, 0.0, 1.0])  # the updated model's own logprobs, then shifted
+    for b in batch:
+        b.tokens.logprobs = b.tokens.logprobs.copy()
+        b.tokens.logprobs[b.tokens.prompt_length :] -= 0.2  # every token: r = e^0.2, k3 = 0.0214
+    algo.step = 4
+    with caplog.at_level(logging.WARNING, logger="primerl.rl"):
+        stats = algo.learn(batch, save_weights=False)
+    assert stats["mismatch/k3_kl"] == pytest.approx(math.exp(0.2) - 1.2, rel=1e-3)
+    assert "step 5: trainer-inference k3 KL 0.0214 > mismatch_warn_kl 0.001" in caplog.text
