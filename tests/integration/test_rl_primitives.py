@@ -4,8 +4,8 @@ calculator task (issue 23, acceptance 1; issue 37, acceptance 4: GSPO, CISPO, OP
 The quick start is written as the RL-primitives document writes it (inference, environment, rollout manager,
 backprop, PPO algorithm, ``train`` with a progress bar), against a real bridge child on the embedded engine.
 The learning tests run PPO, GRPO and REINFORCE, and GRPO with the GSPO and CISPO losses and with OPO's baseline,
-with fixed seeds for a bounded number of steps and require the mean reward of the last step's batch to beat the
-untrained model's on the same batch by a margin.
+with fixed seeds for a bounded number of steps and require the mean reward of the last two steps' batches to beat
+the untrained model's on the same batches by a margin.
 """
 
 from __future__ import annotations
@@ -90,10 +90,11 @@ def test_quick_start_ppo_trains_with_a_progress_bar(
     assert rollout_manager.last_stats.episodes == 2
 
 
-# Trained steps; the last one is compared with the same batch sampled by the untrained model. 2 since issue 37 (4, then
-# 3 in the test-loop issue 33): measured mean rewards per step 0.075 / 0.34-0.62 / 0.73-0.88 (grpo, ppo, reinforce), so
-# step 2's batch, sampled after one update, already clears the untrained model's (~0.08) by more than the 0.15 margin.
-STEPS = 2
+# Trained steps; the last two are compared with the same batches sampled by the untrained model. 3 since the test-loop
+# issue 33 (4 before): measured mean rewards per step 0.075 / 0.34-0.62 / 0.73-0.88 / 0.91-1.0 (grpo, ppo,
+# reinforce), so steps 2-3 clear the untrained batches by more than the 0.15 margin. Not 2: the untrained model
+# already scores 0.44 on step 2's batch alone (measured in the test-loop issue), so one update does not show learning.
+STEPS = 3
 # make run's rollouts (groups of 8, the 32-token call turn fits a whole calculator call)
 ROLLOUT = {"group_size": 8, "temperature": 0.8, "turn_max_tokens": [32, 8], "max_concurrent": 8}
 
@@ -130,15 +131,15 @@ def _untrained_rewards() -> float:
     with bridge_process("embedded") as t:
         inference = InferenceModule(t)
         manager = RolloutManager(inference, ArithmeticEnvironment(), RolloutConfig(**ROLLOUT))
-        rewards = [traj.reward for traj in manager.collect(STEPS - 1)]
+        rewards = [traj.reward for step in (STEPS - 2, STEPS - 1) for traj in manager.collect(step)]
         inference.close()
-    print(f"\nuntrained rewards of step {STEPS}'s batch: {rewards}")
+    print(f"\nuntrained rewards of steps {STEPS - 1}-{STEPS}: {rewards}")
     return float(np.mean(rewards))
 
 
 @pytest.fixture(scope="session")
 def untrained_rewards(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> float:
-    """Mean reward of the batch of step STEPS (same problems, same per-turn seeds) before training.
+    """Mean reward of the batches of steps STEPS-1 and STEPS (same problems, same per-turn seeds) before training.
 
     Computed once per run: the learning tests are separate xdist work units (tests/scheduling.py), and the workers
     that take them share the figure through a file in the run's base directory."""
@@ -163,6 +164,6 @@ def test_algorithm_raises_the_mean_reward(name: str, untrained_rewards: float, t
         finally:
             algorithm.inference.close()
     rewards = [row["reward"] for row in history]
-    print(f"\n{name} rewards per step: {[round(r, 3) for r in rewards]} (untrained, last: {untrained_rewards:.3f})")
+    print(f"\n{name} rewards per step: {[round(r, 3) for r in rewards]} (untrained, last two: {untrained_rewards:.3f})")
     assert len(rewards) == STEPS
-    assert rewards[-1] >= untrained_rewards + 0.15, (rewards, untrained_rewards)
+    assert np.mean(rewards[-2:]) >= untrained_rewards + 0.15, (rewards, untrained_rewards)
