@@ -148,12 +148,7 @@ class RLAlgorithm:
         client = self.inference.client.aio
         self.version = await client.update_weights(str((self.out / "weights").resolve()))
         self.step = step + 1
-        rs = self.rollouts.last_stats
-        row = {"step": self.step, **stats, "policy_version": self.version, "rollout_s": rs.seconds}
-        row |= {"tokens_per_s": rs.tokens_per_s, "mean_turns": rs.mean_turns, "reward_std": rs.std_reward}
-        components = [t.state.info.get("components", {}) for t in batch]
-        for key in components[0] if components else {}:
-            row[f"reward/{key}"] = float(np.mean([c.get(key, 0.0) for c in components]))
+        row = {"step": self.step, **stats, "policy_version": self.version, **self.rollouts.last_stats.row(batch)}
         self.record(row)
         ck = self.config.ckpt
         if ck is not None and ck.interval and self.step % ck.interval == 0:

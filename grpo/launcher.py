@@ -188,12 +188,11 @@ def launch(argv: Sequence[str], sink: TextIO = sys.stdout) -> int:
     finally:
         stop_all()
         signal.signal(signal.SIGTERM, previous)
-    sink.write(table(Path(tcfg.out_dir)))
-    metrics = Path(tcfg.out_dir) / "metrics.jsonl"
-    if metrics.is_file():
+    rows = read_rows(Path(tcfg.out_dir))
+    sink.write(table(Path(tcfg.out_dir), rows))
+    if rows:
         from grpo.plots import plot
 
-        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
         plot(rows, Path(tcfg.out_dir) / "reward_curve.png", f"{tcfg.algorithm}, max_async_level {tcfg.max_async_level}")
         sink.write(f"reward curve: {Path(tcfg.out_dir) / 'reward_curve.png'}\n")
     return 0
@@ -215,10 +214,16 @@ def _wait_serving(target: str, child: Child, timeout: float = 900.0) -> bool:
     return False
 
 
-def table(out: Path) -> str:
-    """The per-step table of a finished run, and its held-out evaluation."""
+def read_rows(out: Path) -> list[dict[str, Any]]:
+    """The trainer's per-step records (``<out>/metrics.jsonl``), none before its first step."""
     path = out / "metrics.jsonl"
-    rows: list[dict[str, Any]] = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def table(out: Path, rows: list[dict[str, Any]] | None = None) -> str:
+    """The per-step table of a finished run (``rows``: its records, read from ``out`` when not given), and its
+    held-out evaluation."""
+    rows = read_rows(out) if rows is None else rows
     cols = ("step", "reward", "loss", "policy", "sampled", "gap", "k3_kl", "rollout_s", "train_s")
     lines = ["", " ".join(f"{c:>9}" for c in cols)]
     for r in rows:

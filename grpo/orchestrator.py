@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from grpo.algorithms import CheckpointConfig
 from grpo.exchange import Batch, ExchangeError, RunDir, sampling_policy, wait_for
-from grpo.rollout import RolloutConfig, RolloutManager, Trajectory
+from grpo.rollout import RolloutConfig, RolloutManager
 from grpo.run_config import EvalSection, TaskSection, evaluate_policy, task_environment
 
 log = logging.getLogger("primerl.orchestrator")
@@ -56,19 +56,6 @@ class OrchestratorConfig(BaseModel):
     task: TaskSection = Field(default_factory=TaskSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-
-
-def batch_stats(batch: list[Trajectory], seconds: float) -> dict[str, float]:
-    """The rollout figures the trainer's per-step record carries (as the in-process loop records them)."""
-    from grpo.rollout import RolloutStats
-
-    rs = RolloutStats.of(batch, seconds)
-    row = {"rollout_s": rs.seconds, "tokens_per_s": rs.tokens_per_s, "mean_turns": rs.mean_turns}
-    row["reward_std"] = rs.std_reward
-    components = [t.state.info.get("components", {}) for t in batch]
-    for key in components[0] if components else {}:
-        row[f"reward/{key}"] = float(np.mean([c.get(key, 0.0) for c in components]))
-    return row
 
 
 class Orchestrator:
@@ -137,7 +124,7 @@ class Orchestrator:
             t0 = time.time()
             trajectories = self.manager.collect(step)
             t1 = time.time()
-            stats = batch_stats(trajectories, t1 - t0)
+            stats = self.manager.last_stats.row(trajectories)
             self.run.write_batch(Batch(step, policy, wid, trajectories, stats, t0, t1))
             p = self.progress
             p["step"] = step + 1
@@ -176,4 +163,4 @@ def run_orchestrator(cfg: OrchestratorConfig) -> int:
     return 0
 
 
-__all__ = ["Orchestrator", "OrchestratorConfig", "batch_stats", "run_orchestrator"]
+__all__ = ["Orchestrator", "OrchestratorConfig", "run_orchestrator"]

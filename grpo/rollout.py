@@ -92,6 +92,16 @@ class RolloutStats:
             tokens_per_s=gen / seconds if seconds > 0 else 0.0,
         )
 
+    def row(self, batch: Sequence[Trajectory]) -> dict[str, float]:
+        """The figures a step's record carries about its rollouts: these statistics and the mean of every reward
+        component the environment graded (``reward/<name>``)."""
+        row = {"rollout_s": self.seconds, "tokens_per_s": self.tokens_per_s, "mean_turns": self.mean_turns}
+        row["reward_std"] = self.std_reward
+        components = [t.state.info.get("components", {}) for t in batch]
+        for key in components[0] if components else {}:
+            row[f"reward/{key}"] = float(np.mean([c.get(key, 0.0) for c in components]))
+        return row
+
 
 def turn_seed(*parts: int) -> int:
     digest = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=8).digest()
