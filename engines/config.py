@@ -121,6 +121,14 @@ class EmbeddedConfig(BaseModel):
         description="Bytes of KV cache kept for idle episodes and group prompts; least recently used is evicted.",
     )
     num_threads: int = Field(0, ge=0, le=256, description="torch intra-op threads; 0 keeps torch's default.")
+    batch_invariant: bool = Field(
+        False,
+        description=(
+            "Deterministic on-policy mode: every sequence runs its own fixed-shape forward "
+            "(engines.embedded.invariant), so a token's logprob does not depend on its batch, decode step or KV reuse "
+            "and equals, bit for bit, a trainer's recompute with grpo's batch_invariant forward. Costs decode speed."
+        ),
+    )
 
 
 class EngineConfig(BaseModel):

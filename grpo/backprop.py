@@ -41,7 +41,7 @@ from grpo.losses import (
 )
 from grpo.masks import loss_mask, version_mask
 from grpo.mismatch import MismatchMonitor
-from grpo.policy import GroupForward, group_forward, pad_right
+from grpo.policy import GroupForward, group_forward, invariant_group_forward, pad_right
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -81,6 +81,11 @@ class BackpropConfig(BaseModel):
     tis_cap: float = Field(2.0, gt=0, description="tis: cap C of the trainer/engine ratio.")
     mis_low: float = Field(0.5, gt=0, description="mis, seq_mask: lower bound of the kept ratio band.")
     mis_high: float = Field(2.0, gt=0, description="mis, seq_mask: upper bound of the kept ratio band.")
+    batch_invariant: bool = Field(
+        False,
+        description="Forward with engines.embedded.invariant (fixed-shape chunks, float64 logprobs): bit for bit "
+        "the logprobs of an embedded engine in its batch_invariant mode under the same weights.",
+    )
     mismatch_warn_kl: float = Field(
         1e-3, ge=0, description="Warn when a step's trainer-inference k3 KL (grpo.mismatch) passes this (0 = never)."
     )
@@ -131,7 +136,8 @@ class BackpropModule:
         tok = batch[idx[0]].tokens
         prompt = tok.token_ids[: tok.prompt_length]
         comps = [batch[i].tokens.token_ids[batch[i].tokens.prompt_length :] for i in idx]
-        return group_forward(self.model, prompt, comps, with_hidden=hidden, temperature=self.config.temperature)
+        forward = invariant_group_forward if self.config.batch_invariant else group_forward
+        return forward(self.model, prompt, comps, with_hidden=hidden, temperature=self.config.temperature)
 
     def values(self, batch: Sequence[Any]) -> list[FloatArray]:
         """Value estimates per completion token (value head on the policy's last hidden state)."""
@@ -233,7 +239,7 @@ class BackpropModule:
             np.nan_to_num(batch[i].tokens.logprobs[q:], nan=0.0, posinf=0.0, neginf=0.0)
             for i, q in zip(idx, p, strict=True)
         ]
-        old_lp = pad_right(old, 0.0, torch.float32)
+        old_lp = pad_right(old, 0.0, fwd.logprobs.dtype)  # float64 in batch_invariant mode: the engine's exact bits
         weights = None
         if c.correction != "none":  # the mismatch goes into a weight; the ratio is measured from the trainer's own
             kw_w = {"cap": c.tis_cap, "low": c.mis_low, "high": c.mis_high}
@@ -272,7 +278,8 @@ class BackpropModule:
             with torch.no_grad():
                 prompt = batch[idx[0]].tokens.token_ids[: p[0]]
                 comps = [batch[i].tokens.token_ids[q:] for i, q in zip(idx, p, strict=True)]
-                ref_lp = group_forward(self.ref, prompt, comps, temperature=c.temperature).logprobs
+                forward = invariant_group_forward if c.batch_invariant else group_forward
+                ref_lp = forward(self.ref, prompt, comps, temperature=c.temperature).logprobs
             kl = aggregate(kl_k3(fwd.logprobs, ref_lp), mask, "token_mean")
             loss = loss + c.kl_coef * kl
             out["kl"] = float(kl.detach())

@@ -72,6 +72,46 @@ def group_forward(
     return GroupForward(logprobs, hidden, mask)
 
 
+def invariant_group_forward(
+    model: Any,
+    prompt_ids: Sequence[int],
+    completions: Sequence[npt.ArrayLike],
+    with_hidden: bool = False,
+    temperature: float = 1.0,
+) -> GroupForward:
+    """``group_forward`` through ``engines.embedded.invariant``: the same fixed-shape chunks and the same float64
+    logprob function as an embedded engine in ``batch_invariant`` mode, so on-policy logprobs agree bit for bit.
+
+    The prompt's whole chunks run once and each completion continues from a copy of their KV (the chunk holding
+    the prompt's last token is recomputed per completion, as the engine recomputes a partly filled chunk);
+    ``logprobs`` are float64 tensors holding float32 values (the trajectory's precision).
+    """
+    from engines.embedded.invariant import CHUNK, InvariantCache, forward_rows, token_logprobs
+
+    prompt = [int(t) for t in prompt_ids]
+    shared = len(prompt) - 1 - (len(prompt) - 1) % CHUNK  # whole chunks before the row predicting token 0
+    base = InvariantCache()
+    if shared:
+        forward_rows(model, prompt[:shared], base)
+    rows, hiddens = [], []
+    for comp in completions:
+        c = [int(t) for t in np.asarray(comp)]
+        logits, hid = forward_rows(model, prompt + c, base.fork(), rows_from=len(prompt) - 1, hidden=with_hidden)
+        lp = token_logprobs(logits, c, temperature)
+        # Trajectories carry logprobs as float32: round to the record's precision, gradient straight through, so
+        # the on-policy ratio is exactly 1 and the mismatch monitor reads exactly 0.
+        rows.append(lp + (lp.float().double() - lp).detach())
+        if hid is not None:
+            hiddens.append(hid[: len(c)])
+    width = max(1, max(len(r) for r in rows))
+    logprobs = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])
+    mask = pad_right([np.ones(len(r), dtype=bool) for r in rows], 0, torch.bool)
+    hidden = None
+    if with_hidden:
+        hidden = torch.stack([torch.nn.functional.pad(h, (0, 0, 0, width - len(h))) for h in hiddens])
+    return GroupForward(logprobs, hidden, mask)
+
+
 def _kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 

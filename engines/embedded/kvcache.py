@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core.types import EngineCounters
+from engines.embedded.invariant import InvariantCache
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +128,8 @@ def kv_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def cache_nbytes(cache: DynamicCache) -> int:
     """Bytes the cache holds, spare room included (what the KV budget must count)."""
+    if isinstance(cache, InvariantCache):
+        return cache.nbytes()
     total = 0
     layers: list[Any] = list(cache.layers)
     for layer in layers:
@@ -139,6 +142,8 @@ def cache_nbytes(cache: DynamicCache) -> int:
 
 def fork(cache: DynamicCache) -> DynamicCache:
     """An independent copy (a group member continuing from the shared prompt)."""
+    if isinstance(cache, InvariantCache):
+        return cache.fork()  # type: ignore[return-value]
     return new_cache(data=kv_tensors(cache))
 
 

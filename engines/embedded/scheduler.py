@@ -34,6 +34,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -44,8 +45,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.errors import EngineError, EngineUnavailable
-from core.types import EngineCounters, FinishReason, Origin, TokenChunk, Usage, WeightUpdate, check_token_ids
+from core.types import (
+    EngineCounters,
+    FinishReason,
+    Origin,
+    SamplingParams,
+    TokenChunk,
+    Usage,
+    WeightUpdate,
+    check_token_ids,
+)
 from engines.config import EmbeddedConfig
+from engines.embedded.invariant import InvariantCache, forward_rows, token_logprobs, wire_temperature
 from engines.embedded.kvcache import (
     KVStore,
     Parked,
@@ -58,12 +69,18 @@ from engines.embedded.kvcache import (
     unpack_left,
 )
 from engines.embedded.model import Batch, Seq
-from engines.sampling import raw_logprob, sample, verify
+from engines.sampling import raw_logprob, sample, unfiltered, verify
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = logging.getLogger("engines.embedded.engine")  # the engine's log, as before the scheduler had its own module
+
+
+def _invariant(seq: Seq) -> InvariantCache:
+    """The sequence's KV in deterministic mode (``Seq.cache`` holds an ``InvariantCache`` there)."""
+    assert isinstance(seq.cache, InvariantCache)
+    return seq.cache
 
 
 class Scheduler:
@@ -97,6 +114,7 @@ class Scheduler:
         self._active: list[Seq] = []
         self._batch: Batch | None = None
         self._wake = asyncio.Event()
+        self._invariant = config.batch_invariant  # deterministic mode: engines.embedded.invariant's forward
 
     @property
     def version(self) -> int:
@@ -216,7 +234,8 @@ class Scheduler:
             masked[idx] = logits[idx]
             token, logprob = sample(masked, seq.request.params, seq.rng)
         else:
-            token, logprob = sample(logits, seq.request.params, seq.rng)
+            token, logprob = sample(logits, self._params(seq), seq.rng)
+            logprob = self._exact_logprob(seq.logits, token, seq.request.params, logprob)
         raw = (raw_logprob(logits, token),) if seq.request.params.raw_logprobs else ()
         seq.ids.append(token)
         seq.logits = None
@@ -229,6 +248,23 @@ class Scheduler:
             reason = FinishReason.LENGTH
         origins = (origin,) if origin != Origin.SAMPLED else ()
         return self._emit(seq, reason, (token,), (logprob,), origins, raw)
+
+    def _params(self, seq: Seq) -> SamplingParams:
+        """The sampling parameters a draw uses: in deterministic mode at the wire's float32 temperature, the one
+        the trainer's recompute uses (``invariant.wire_temperature``)."""
+        params = seq.request.params
+        if not self._invariant:
+            return params
+        return dataclasses.replace(params, temperature=wire_temperature(params.temperature))
+
+    def _exact_logprob(self, row: Any, token: int, params: Any, logprob: float) -> float:
+        """Deterministic mode: the logprob as the trainer computes it from the same logit row
+        (``invariant.token_logprobs``), where the trainer can (no filter cut the distribution); else ``logprob``."""
+        if not self._invariant or not unfiltered(params):
+            return logprob
+        import torch
+
+        return float(token_logprobs(torch.as_tensor(row)[None], [token], params.temperature)[0])
 
     def _emit(
         self,
@@ -273,8 +309,11 @@ class Scheduler:
             self._unpack()
         assert seq.cache is not None
         feed = ([] if seq.logits is not None else [seq.ids[-1]]) + list(draft)
-        out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([feed]), use_cache=True)
-        rows = ([seq.logits] if seq.logits is not None else []) + list(out.logits[0])
+        if self._invariant:
+            logits = forward_rows(self.model, seq.ids + list(draft), _invariant(seq))[0]
+        else:
+            logits = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([feed]), use_cache=True).logits[0]
+        rows = ([seq.logits] if seq.logits is not None else []) + list(logits)
         seq.cached += len(feed)
         seq.logits = None
         self.counters.forward_passes += 1
@@ -285,7 +324,7 @@ class Scheduler:
 
     def _accept(self, seq: Seq, draft: tuple[int, ...], rows: list[np.ndarray]) -> TokenChunk:
         """Verify a scored draft, emit the accepted prefix plus one token, crop the KV to what was accepted."""
-        params = seq.request.params
+        params = self._params(seq)
         emitted = verify(rows, draft, params, seq.rng)
         accepted = sum(o == Origin.DRAFT_ACCEPTED for _, _, o in emitted)
         assert seq.request.drafter is not None
@@ -298,7 +337,7 @@ class Scheduler:
         reason: FinishReason | None = None
         for i, (token, logprob, origin) in enumerate(emitted):
             ids.append(token)
-            logprobs.append(logprob)
+            logprobs.append(self._exact_logprob(rows[i], token, params, logprob))
             origins.append(origin)
             if params.raw_logprobs:
                 raw.append(raw_logprob(rows[i], token))
@@ -402,16 +441,22 @@ class Scheduler:
             self._unpack()
         new = seq.ids[seq.cached :]
         if seq.cache is None:
-            seq.cache, seq.cached = new_cache(self.model.config), 0
+            seq.cache, seq.cached = (InvariantCache() if self._invariant else new_cache(self.model.config)), 0  # type: ignore[assignment]
             new = seq.ids
         if seq.produced:  # KV dropped mid-turn by a weight swap: recomputed under the new weights
             self.counters.extra["recomputed_tokens"] = self.counters.extra.get("recomputed_tokens", 0) + len(new)
-        out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([new]), use_cache=True, logits_to_keep=1)
-        seq.logits = out.logits[0, -1]
+        if self._invariant:
+            seq.logits = forward_rows(self.model, seq.ids, _invariant(seq), rows_from=len(seq.ids) - 1)[0][-1]
+        else:
+            out = forward_with_cache(
+                self.model, seq.cache, input_ids=torch.tensor([new]), use_cache=True, logits_to_keep=1
+            )
+            seq.logits = out.logits[0, -1]
         seq.cached = len(seq.ids)
         self.counters.forward_passes += 1
         req = seq.request
         if seq.share_prompt and ("grp", req.group_id) not in self._store:
+            assert seq.cache is not None
             prompt = Parked(tuple(seq.ids), fork(seq.cache), seq.logits, req.cache_salt, 0, 0)
             prompt.nbytes = cache_nbytes(prompt.cache)
             self._store.put(("grp", req.group_id), prompt)
@@ -419,7 +464,14 @@ class Scheduler:
     def _decode(self, seqs: list[Seq]) -> None:
         import torch
 
+        if self._invariant:  # one forward per sequence: no row's result depends on who else is decoding
+            self.counters.forward_passes += len(seqs) - 1
+            for seq in seqs:
+                seq.logits = forward_rows(self.model, seq.ids, _invariant(seq))[0][-1]
+                seq.cached += 1
         self.counters.forward_passes += 1
+        if self._invariant:
+            return
         if len(seqs) == 1:
             seq = seqs[0]
             if seq.in_batch:
