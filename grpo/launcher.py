@@ -37,8 +37,14 @@ class LaunchError(ValueError):
 
 
 def is_launch(argv: Sequence[str]) -> bool:
-    """Whether ``primerl rl`` was given component arguments (else it is the single-process loop)."""
-    return any(a.split(".")[0].split("=")[0] in {f"--{c}" for c in COMPONENTS} for a in argv)
+    """Whether ``primerl rl`` was given component arguments (else it is the single-process loop).
+
+    A bare ``--trainer`` (``--trainer @ file``) or any ``--orchestrator``/``--inference`` flag is a launch;
+    ``--trainer.lr 1e-5`` alone is not: the single-process loop has a ``[trainer]`` section of its own.
+    """
+    bare = {f"--{c}" for c in COMPONENTS}
+    launch_only = {f"--{c}" for c in COMPONENTS if c != "trainer"}
+    return any(a in bare or a.split(".")[0].split("=")[0] in launch_only for a in argv)
 
 
 def split_args(argv: Sequence[str]) -> dict[str, list[str]]:

@@ -53,6 +53,8 @@ def weights(run: Path) -> dict[str, Any]:
 def test_resumed_steps_equal_an_uninterrupted_run(tmp_path: Path) -> None:
     straight = primerl_rl(tmp_path / "a", "--max-steps", "3", "--ckpt", "--ckpt.interval", "2")
     assert [r["step"] for r in straight] == [1, 2, 3]
+    for r in straight:  # the mismatch monitor (issue 38) in the default mode: every step, small, not exactly zero
+        assert r["mismatch/tokens"] > 0 and 0.0 < r["mismatch/abs_max"] < 1e-2 and 0.0 <= r["mismatch/k3_kl"] < 1e-4, r
     checkpoints = tmp_path / "a" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_3"]  # the interval's, and the last
     resumed = primerl_rl(tmp_path / "b", "--max-steps", "3", "--ckpt.dir", str(checkpoints), "--ckpt.resume-step", "2")

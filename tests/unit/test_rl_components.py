@@ -122,6 +122,8 @@ def test_primerl_rl_splits_files_component_keys_and_run_wide_keys() -> None:
     argv += ["--max-steps", "10", "--trainer.lr", "1e-5", "--orchestrator.rollout.group-size=4", "--ckpt"]
     argv += ["--inference.engine.type", "toy", "--trainer.normalize-advantages"]
     assert is_launch(argv) and not is_launch(["@", "examples/grpo.toml", "--max-steps", "3"])
+    assert not is_launch(["@", "examples/grpo.toml", "--trainer.lr", "1e-5"])  # the one-process loop's [trainer]
+    assert is_launch(["--orchestrator.rollout.group-size", "4"])
     assert split_args(argv) == {
         "trainer": ["@", "t.toml", "@", "t2.toml", "--lr", "1e-5", "--normalize-advantages", "--max-steps", "10",
                     "--ckpt"],
