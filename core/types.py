@@ -49,6 +49,7 @@ class Capability(enum.Enum):
     """
 
     RAW_LOGPROBS = "raw_logprobs"  # also report logprobs under the raw (temperature-1) distribution
+    KEPT_MASS = "kept_mass"  # also report the log of the probability mass the sampler's filters kept
     MIN_P = "min_p"  # min-p filtering
     CONSTRAINTS = "constraints"  # honours GenerateRequest.constraint (grammar-masked decoding)
     DRAFT_VERIFY = "draft_verify"  # verifies GenerateRequest.drafter's drafts exactly
@@ -98,6 +99,15 @@ class SamplingParams:
         bool,
         Field(description="Also report logprobs under the raw (temperature-1) distribution."),
         Needs(Capability.RAW_LOGPROBS),
+    ] = False
+    kept_mass: Annotated[
+        bool,
+        Field(
+            description="Also report, per sampled token, the log of the probability mass (after temperature) the "
+            "sampler kept: top-k, top-p, min-p and a grammar mask; 0 when nothing was cut. logprob + kept_logmass is "
+            "the token's logprob under the untruncated temperature-scaled distribution."
+        ),
+        Needs(Capability.KEPT_MASS),
     ] = False
 
     def merge(self, overrides: SamplingOverrides) -> SamplingParams:
@@ -252,6 +262,7 @@ class TokenChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     raw_logprobs: tuple[float, ...] = ()  # when asked: logprob of each token at temperature 1, unfiltered
+    kept_logmass: tuple[float, ...] = ()  # when asked: log of the mass the filters kept (sampling.kept_mass)
 
     def origins_or_sampled(self) -> tuple[Origin, ...]:
         return self.origins or (Origin.SAMPLED,) * len(self.token_ids)

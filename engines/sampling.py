@@ -53,6 +53,20 @@ def processed_logprobs(logits: FloatArray, params: SamplingParams) -> FloatArray
     return logp
 
 
+def kept_logmass(logits: FloatArray, params: SamplingParams, sampled_from: FloatArray | None = None) -> float:
+    """Log of the probability mass, under the temperature-scaled distribution of ``logits``, of the tokens the
+    sampler could draw: those its filters (min-p, top-k, top-p) kept from ``sampled_from`` (``logits`` with a
+    grammar mask's ``-inf``; default ``logits``). 0.0 when nothing was cut. ``processed logprob + this`` is the
+    token's logprob under the untruncated temperature-scaled distribution (``sampling.kept_mass``)."""
+    masked = sampled_from is not None and bool(np.any(np.isneginf(sampled_from) & np.isfinite(logits)))
+    if params.temperature == 0 or (unfiltered(params) and not masked):
+        return 0.0
+    kept = np.isfinite(processed_logprobs(logits if sampled_from is None else sampled_from, params))
+    scaled = log_softmax(logits / params.temperature)[kept]
+    top = float(np.max(scaled))
+    return min(0.0, top + float(np.log(np.sum(np.exp(scaled - top)))))
+
+
 def raw_logprob(logits: FloatArray, token: int) -> float:
     """Logprob of ``token`` under the raw model distribution (temperature 1, no filtering)."""
     return float(log_softmax(logits)[token])

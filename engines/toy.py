@@ -38,7 +38,7 @@ from core.types import (
     WeightUpdate,
 )
 from engines.config import ToyConfig
-from engines.sampling import raw_logprob, sample, unfiltered, verify
+from engines.sampling import kept_logmass, raw_logprob, sample, unfiltered, verify
 
 SPECIALS = ("<pad>", "<bos>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<unk>")
 PAD, BOS, END, SYSTEM, USER, ASSISTANT, TOOL, UNK = range(len(SPECIALS))
@@ -66,7 +66,7 @@ tool call result query error done yes
 
 SEED_CACHE = 4096  # seeds whose SeedSequence is kept (a Generator from one costs a third of default_rng(seed))
 TOY_BASE_WEIGHTS = "toy:base"  # the toy's own name for its initial tables (EngineInfo.base_weights)
-CAPABILITIES = frozenset({Capability.RAW_LOGPROBS, Capability.MIN_P, Capability.DRAFT_VERIFY})
+CAPABILITIES = frozenset({Capability.RAW_LOGPROBS, Capability.KEPT_MASS, Capability.MIN_P, Capability.DRAFT_VERIFY})
 
 
 class ToyTokenizer:
@@ -112,6 +112,7 @@ class _Run:
     stops: set[int]
     budget: int
     want_raw: bool
+    want_kept: bool
     # Draws may be taken a chunk at a time: the request's own generator (discarded after it), or the shared one
     # when no stop can end the chunk early (every draw taken is then used, so the shared stream is unchanged).
     predraw: bool
@@ -121,6 +122,7 @@ class _Run:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     raw: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)  # log kept mass (sampling.kept_mass)
     origins: list[Origin] = field(default_factory=list)  # left empty by plain sampling: all sampled
 
 
@@ -265,6 +267,8 @@ class ToyEngine:
         run.logprobs += logprobs
         if run.want_raw:
             run.raw += logprobs  # plain: raw = sampled
+        if run.want_kept:
+            run.kept += [0.0] * len(ids)  # plain: nothing cut
         run.produced += len(ids)
         return stopped
 
@@ -279,6 +283,8 @@ class ToyEngine:
             for i, (token, logprob, origin) in enumerate(emitted):
                 if run.want_raw:
                     run.raw.append(raw_logprob(rows[i], token) if rows else logprob)
+                if run.want_kept:
+                    run.kept.append(kept_logmass(rows[i], run.params) if rows else 0.0)
                 run.history.append(token)
                 run.ids.append(token)
                 run.logprobs.append(logprob)
@@ -301,8 +307,9 @@ class ToyEngine:
             finish_reason=finish,
             usage=usage,
             raw_logprobs=tuple(run.raw),
+            kept_logmass=tuple(run.kept),
         )
-        run.ids, run.logprobs, run.raw, run.origins = [], [], [], []
+        run.ids, run.logprobs, run.raw, run.kept, run.origins = [], [], [], [], []
         return chunk
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
@@ -321,6 +328,7 @@ class ToyEngine:
             stops,
             budget=min(params.max_tokens, self.config.max_model_len - prompt_len),
             want_raw=params.raw_logprobs,
+            want_kept=params.kept_mass,
             predraw=params.seed is not None or not stops,
             plain=params.temperature == 1.0 and unfiltered(params),
         )

@@ -175,6 +175,7 @@ class AsyncBridgeClient:
         logprobs: list[float] = []
         origins: list[str] = []
         raw: list[float] = []
+        kept: list[float] = []
         final = False
         try:
             async for c in call:
@@ -183,9 +184,12 @@ class AsyncBridgeClient:
                 logprobs.extend(c.logprobs)
                 origins.extend(names)
                 raw.extend(c.raw_logprobs)
-                done = turn_result(ids, logprobs, origins, c.done, raw) if c.HasField("done") else None
+                kept.extend(c.kept_logmass)
+                done = turn_result(ids, logprobs, origins, c.done, raw, kept) if c.HasField("done") else None
                 final = done is not None
-                yield Chunk(list(c.token_ids), list(c.logprobs), names, c.text, done, list(c.raw_logprobs))
+                yield Chunk(
+                    list(c.token_ids), list(c.logprobs), names, c.text, done, list(c.raw_logprobs), list(c.kept_logmass)
+                )
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         finally:
@@ -220,7 +224,8 @@ class AsyncBridgeClient:
                 if c.HasField("done"):
                     final = True
                     origins = [ORIGINS[o] for o in c.origins]
-                    return turn_result(list(c.token_ids), list(c.logprobs), origins, c.done, list(c.raw_logprobs))
+                    raw, kept = list(c.raw_logprobs), list(c.kept_logmass)
+                    return turn_result(list(c.token_ids), list(c.logprobs), origins, c.done, raw, kept)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         finally:

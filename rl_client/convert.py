@@ -47,7 +47,12 @@ def usage(u: pb.Usage) -> Usage:
 
 
 def turn_result(
-    ids: list[int], logprobs: list[float], origins: list[str], done: pb.TurnDone, raw: list[float] | None = None
+    ids: list[int],
+    logprobs: list[float],
+    origins: list[str],
+    done: pb.TurnDone,
+    raw: list[float] | None = None,
+    kept: list[float] | None = None,
 ) -> TurnResult:
     return TurnResult(
         token_ids=np.asarray(ids, dtype=np.int32),
@@ -59,6 +64,7 @@ def turn_result(
         policy_version=done.policy_version,
         turn_index=done.turn_index,
         raw_logprobs=np.asarray(raw, dtype=np.float32) if raw else None,
+        kept_logmass=np.asarray(kept, dtype=np.float32) if kept else None,
         env=env_status(done.env) if done.HasField("env") else None,
     )
 
@@ -98,4 +104,5 @@ def trajectory(t: pb.Trajectory) -> Trajectory:
         metadata=dict(t.metadata),
         duration_ms=t.duration_ms,
         raw_logprobs=np.asarray(t.raw_logprobs, dtype=np.float32) if t.raw_logprobs else None,
+        kept_logmass=np.asarray(t.kept_logmass, dtype=np.float32) if t.kept_logmass else None,
     )

@@ -51,6 +51,7 @@ class Chunk:
     text: str
     done: TurnResult | None = None
     raw_logprobs: list[float] = field(default_factory=list)  # only when sampling.raw_logprobs was set
+    kept_logmass: list[float] = field(default_factory=list)  # only when sampling.kept_mass was set
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class TurnResult:
     policy_version: int
     turn_index: int
     raw_logprobs: npt.NDArray[np.float32] | None = None  # only when sampling.raw_logprobs was set
+    kept_logmass: npt.NDArray[np.float32] | None = None  # only when sampling.kept_mass was set
     # Episodes with an environment: the tool loop's state. The arrays then hold every token of the
     # Step in order (each turn's sampled tokens and the tool results between them, origin "env").
     env: EnvStatus | None = None
@@ -104,6 +106,9 @@ class Trajectory:
     duration_ms: float = 0.0
     # Raw (temperature-1) logprobs, NaN where not sampled or not asked; None if no turn asked for them.
     raw_logprobs: npt.NDArray[np.float32] | None = None
+    # Log of the probability mass the sampler kept (0: nothing cut; logprobs + kept_logmass = the untruncated
+    # temperature-scaled logprob), NaN where not sampled or not asked; None if no turn asked (sampling.kept_mass).
+    kept_logmass: npt.NDArray[np.float32] | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])

@@ -60,6 +60,7 @@ class StepUpdate:
     raw_logprobs: tuple[float, ...] = ()
     last: bool = True
     env: EnvOutcome | None = None
+    kept_logmass: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

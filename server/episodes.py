@@ -54,6 +54,7 @@ class Episode:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)  # NaN where not sampled or not asked for
+    kept_logmass: list[float] = field(default_factory=list)  # log kept mass; NaN where not sampled or not asked for
     origins: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     prompt_length: int = 0
@@ -73,6 +74,7 @@ class Episode:
         origins: Iterable[int],
         version: int,
         raw_logprobs: Sequence[float] = (),
+        kept_logmass: Sequence[float] = (),
     ) -> int:
         """Append tokens with their metadata; returns how many were appended."""
         before = len(self.token_ids)
@@ -82,6 +84,7 @@ class Episode:
         n = len(self.token_ids) - before
         self.versions.extend([version] * n)
         self.raw_logprobs.extend(raw_logprobs if len(raw_logprobs) == n else [NAN] * n)
+        self.kept_logmass.extend(kept_logmass if len(kept_logmass) == n else [NAN] * n)
         return n
 
     def append_unsampled(self, ids: list[int], origin: Origin, version: int) -> None:

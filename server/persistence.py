@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 import secrets
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ _ARRAYS: dict[str, str] = {
     "token_ids": "<i4",
     "logprobs": "<f8",
     "raw_logprobs": "<f8",
+    "kept_logmass": "<f8",
     "origins": "i1",
     "versions": "<i8",
 }
@@ -144,8 +146,8 @@ def decode(data: bytes) -> tuple[Episode, int]:
             for t in r["turns"]
         ],
     )
-    for name, dtype in _ARRAYS.items():
-        setattr(episode, name, _unpack(r[name], dtype))
+    for name, dtype in _ARRAYS.items():  # a record written before a field existed: NaN (not asked for)
+        setattr(episode, name, _unpack(r[name], dtype) if name in r else [math.nan] * len(episode.token_ids))
     return episode, int(r["rev"])
 
 

@@ -158,6 +158,8 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         logprobs: list[float] = []
         raw: list[float] = []  # raw (temperature-1) logprobs, sent only if the engine reports them
         raw_seen = False
+        kept: list[float] = []  # log kept mass (sampling.kept_mass), sent only if reported
+        kept_seen = False
         origins: list[int] = []
         streamed = 0  # tokens of the Step so far, sent or not
         last_sent = 0.0
@@ -177,6 +179,9 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                 logprobs.extend(u.logprobs)
                 raw_seen = raw_seen or bool(u.raw_logprobs)
                 raw.extend(u.raw_logprobs if len(u.raw_logprobs) == len(u.token_ids) else [math.nan] * len(u.token_ids))
+                kept_seen = kept_seen or bool(u.kept_logmass)
+                n_new = len(u.token_ids)
+                kept.extend(u.kept_logmass if len(u.kept_logmass) == n_new else [math.nan] * n_new)
                 origins.extend(u.origins)
                 streamed += len(u.token_ids)
                 if u.turn is None or not u.last:
@@ -193,8 +198,10 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                     chunk.done.env.CopyFrom(_env_status(u.env))
                 if raw_seen:
                     chunk.raw_logprobs.extend(raw)
+                if kept_seen:
+                    chunk.kept_logmass.extend(kept)
                 yield chunk
-                ids, logprobs, raw, origins = [], [], [], []
+                ids, logprobs, raw, kept, origins = [], [], [], [], []
         except Exception as exc:
             await _abort(context, exc)
             raise
@@ -212,6 +219,8 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             chunk.done.env.CopyFrom(_env_status(u.env))
         if u.raw_logprobs:
             chunk.raw_logprobs.extend(u.raw_logprobs if len(u.raw_logprobs) == n else [math.nan] * n)
+        if u.kept_logmass:
+            chunk.kept_logmass.extend(u.kept_logmass if len(u.kept_logmass) == n else [math.nan] * n)
         return chunk
 
     def _chunk(
@@ -267,6 +276,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             turn_rewards=result.turn_rewards,
             duration_ms=result.duration_ms,
             raw_logprobs=ep.raw_logprobs if any(not math.isnan(x) for x in ep.raw_logprobs) else (),
+            kept_logmass=ep.kept_logmass if any(not math.isnan(x) for x in ep.kept_logmass) else (),
         )
         for t in ep.turns:
             traj.turns.add(

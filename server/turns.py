@@ -142,18 +142,23 @@ class Turns:
                         if turn.ttft_ms == 0.0:
                             turn.ttft_ms = (time.perf_counter() - turn.started) * 1e3
                         episode.append(
-                            chunk.token_ids, chunk.logprobs, origins, chunk.policy_version, chunk.raw_logprobs
+                            chunk.token_ids,
+                            chunk.logprobs,
+                            origins,
+                            chunk.policy_version,
+                            chunk.raw_logprobs,
+                            chunk.kept_logmass,
                         )
                         turn.end = len(episode.token_ids)
                         turn.policy_version = chunk.policy_version
-                    raw = chunk.raw_logprobs
+                    raw, kept = chunk.raw_logprobs, chunk.kept_logmass
                     if chunk.finish_reason is None:
-                        yield StepUpdate(chunk.token_ids, chunk.logprobs, origins, None, raw)
+                        yield StepUpdate(chunk.token_ids, chunk.logprobs, origins, None, raw, kept_logmass=kept)
                     else:
                         self.close(turn, chunk.finish_reason, chunk.usage)
                         if request.constraint is not None:  # the mask replay handle, before the last update
                             record_masked_positions(episode.metadata, request.constraint, len(episode.token_ids))
-                        yield StepUpdate(chunk.token_ids, chunk.logprobs, origins, turn, raw)
+                        yield StepUpdate(chunk.token_ids, chunk.logprobs, origins, turn, raw, kept_logmass=kept)
                         return
             raise EngineError(f"engine {engine.info.replica!r} ended the stream without a finish reason")
         except EngineError as exc:

@@ -78,6 +78,49 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _layer(
+    layer: Any,
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    past: tuple[torch.Tensor | None, torch.Tensor | None],
+    p: int,
+    real: int,
+    allowed: torch.Tensor,
+    shape: tuple[int, int, int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer over the chunk at ``p`` (``real`` of its rows are tokens): the new hidden state and the
+    layer's keys and values for positions ``[0, p + real)``."""
+    import torch
+
+    n_heads, n_kv, head_dim = shape
+    cos, sin = rope
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    q = attn.q_proj(x).view(1, CHUNK, n_heads, head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(1, CHUNK, n_kv, head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(1, CHUNK, n_kv, head_dim).transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    past_k, past_v = past
+    if past_k is not None and past_v is not None and p > 0:
+        k_all = torch.cat([past_k[..., :p, :], k], dim=2)
+        v_all = torch.cat([past_v[..., :p, :], v], dim=2)
+    else:
+        k_all, v_all = k, v
+    kept_k, kept_v = k_all[..., : p + real, :], v_all[..., : p + real, :]
+    if n_kv != n_heads:
+        rep = n_heads // n_kv
+        k_all = k_all[:, :, None].expand(1, n_kv, rep, p + CHUNK, head_dim).reshape(1, n_heads, -1, head_dim)
+        v_all = v_all[:, :, None].expand(1, n_kv, rep, p + CHUNK, head_dim).reshape(1, n_heads, -1, head_dim)
+    scores = torch.matmul(q, k_all.transpose(2, 3)) * attn.scaling
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(weights, v_all).transpose(1, 2).reshape(1, CHUNK, n_heads * head_dim)
+    h = h + attn.o_proj(out)
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return h, kept_k, kept_v
+
+
 def forward_rows(
     model: Any,
     ids: Sequence[int],
@@ -110,6 +153,7 @@ def forward_rows(
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
     pad = int(getattr(cfg, "pad_token_id", None) or 0)
+    shape = (n_heads, n_kv, head_dim)
     keys: list[torch.Tensor | None] = list(cache.keys) or [None] * len(layers)
     values: list[torch.Tensor | None] = list(cache.values) or [None] * len(layers)
     logits_out: list[torch.Tensor] = []
@@ -125,31 +169,7 @@ def forward_rows(
         cos, sin = core.rotary_emb(h, positions)
         cos, sin = cos[:, None], sin[:, None]
         for li, layer in enumerate(layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(1, CHUNK, n_heads, head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(1, CHUNK, n_kv, head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(1, CHUNK, n_kv, head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            past_k, past_v = keys[li], values[li]
-            if past_k is not None and p > 0:
-                k_all = torch.cat([past_k[..., :p, :], k], dim=2)
-                assert past_v is not None
-                v_all = torch.cat([past_v[..., :p, :], v], dim=2)
-            else:
-                k_all, v_all = k, v
-            keys[li], values[li] = k_all[..., : p + real, :], v_all[..., : p + real, :]
-            if n_kv != n_heads:
-                rep = n_heads // n_kv
-                k_all = k_all[:, :, None].expand(1, n_kv, rep, p + CHUNK, head_dim).reshape(1, n_heads, -1, head_dim)
-                v_all = v_all[:, :, None].expand(1, n_kv, rep, p + CHUNK, head_dim).reshape(1, n_heads, -1, head_dim)
-            scores = torch.matmul(q, k_all.transpose(2, 3)) * attn.scaling
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-            out = torch.matmul(weights, v_all).transpose(1, 2).reshape(1, CHUNK, n_heads * head_dim)
-            h = h + attn.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h, keys[li], values[li] = _layer(layer, h, (cos, sin), (keys[li], values[li]), p, real, allowed, shape)
         lo, hi = max(rows_from, p) - p, real
         if lo < hi:
             normed = core.norm(h)

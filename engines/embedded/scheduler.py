@@ -21,7 +21,12 @@ Invariants
   under the old weights (idle and in flight; in-flight sequences are re-prefilled) unless ``keep_kv``.
   Each token carries the version of the weights that produced its logits.
 * Batching: sequences that need one decode token share a forward pass (left-padded KV, per-row positions);
-  sequences join and leave at token boundaries. The batched KV is rebuilt only when membership changes.
+  sequences join and leave at token boundaries. The batched KV is rebuilt only when membership changes. The
+  forward passes themselves live in ``engines.embedded.passes``.
+* Deterministic mode (``batch_invariant``): every sequence runs its own fixed-shape forward
+  (``engines.embedded.invariant``), draws at the wire's float32 temperature, and records a sampled token's logprob
+  with the trainer's own function of the logit row: bit for bit what ``grpo``'s ``batch_invariant`` forward
+  recomputes from the same weights.
 * Speculation (``GenerateRequest.drafter``): a sequence whose drafter proposes a draft leaves the batch for that
   step and is fed [pending token + draft] in ONE forward of its own; ``engines.sampling.verify`` accepts or
   resamples exactly, so the output is distributed as without speculation (greedy: identical up to float
@@ -56,31 +61,16 @@ from core.types import (
     check_token_ids,
 )
 from engines.config import EmbeddedConfig
-from engines.embedded.invariant import InvariantCache, forward_rows, token_logprobs, wire_temperature
-from engines.embedded.kvcache import (
-    KVStore,
-    Parked,
-    cache_nbytes,
-    common_prefix,
-    fork,
-    forward_with_cache,
-    new_cache,
-    pack_left,
-    unpack_left,
-)
-from engines.embedded.model import Batch, Seq
-from engines.sampling import raw_logprob, sample, unfiltered, verify
+from engines.embedded.invariant import token_logprobs, wire_temperature
+from engines.embedded.kvcache import KVStore, Parked, cache_nbytes, common_prefix, fork
+from engines.embedded.model import Seq
+from engines.embedded.passes import Passes
+from engines.sampling import kept_logmass, raw_logprob, sample, unfiltered, verify
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = logging.getLogger("engines.embedded.engine")  # the engine's log, as before the scheduler had its own module
-
-
-def _invariant(seq: Seq) -> InvariantCache:
-    """The sequence's KV in deterministic mode (``Seq.cache`` holds an ``InvariantCache`` there)."""
-    assert isinstance(seq.cache, InvariantCache)
-    return seq.cache
 
 
 class Scheduler:
@@ -112,7 +102,7 @@ class Scheduler:
         self._groups_lock = threading.Lock()
         self._waiting: list[Seq] = []
         self._active: list[Seq] = []
-        self._batch: Batch | None = None
+        self._passes = Passes(model, counters, config.batch_invariant)
         self._wake = asyncio.Event()
         self._invariant = config.batch_invariant  # deterministic mode: engines.embedded.invariant's forward
 
@@ -175,7 +165,7 @@ class Scheduler:
                 for seq in self._active:
                     seq.queue.put_nowait(error)
                 self._active.clear()
-                self._batch = None
+                self._passes.batch = None
                 continue
             for seq, chunk in events:
                 seq.queue.put_nowait(chunk)
@@ -210,9 +200,9 @@ class Scheduler:
             for seq in live:
                 if seq.logits is None and seq not in decode and seq not in drafts:
                     self._prefill(seq)
-            rows = {seq: self._verify_forward(seq, draft) for seq, draft in drafts.items()}
+            rows = {seq: self._passes.verify(seq, draft) for seq, draft in drafts.items()}
             if decode:
-                self._decode(decode)
+                self._passes.decode(decode)
             for seq in live:
                 if seq in drafts:
                     events.append((seq, self._accept(seq, drafts[seq], rows[seq])))
@@ -225,18 +215,23 @@ class Scheduler:
         assert seq.logits is not None
         logits = seq.logits.double().numpy()
         origin = Origin.SAMPLED
+        params = self._params(seq)
         allowed = seq.request.constraint.allowed(seq.ids) if seq.request.constraint is not None else None
+        masked = None
         if allowed is not None and len(allowed) == 1:  # constrained mode: no choice was made
             token, logprob, origin = int(allowed[0]), math.nan, Origin.FORCED  # not sampled: NaN
         elif allowed is not None:  # constrained mode: sample the masked, renormalised distribution
             idx = np.asarray(allowed, dtype=np.intp)
             masked = np.full_like(logits, -np.inf)
             masked[idx] = logits[idx]
-            token, logprob = sample(masked, seq.request.params, seq.rng)
+            token, logprob = sample(masked, params, seq.rng)
         else:
-            token, logprob = sample(logits, self._params(seq), seq.rng)
+            token, logprob = sample(logits, params, seq.rng)
             logprob = self._exact_logprob(seq.logits, token, seq.request.params, logprob)
-        raw = (raw_logprob(logits, token),) if seq.request.params.raw_logprobs else ()
+        raw = (raw_logprob(logits, token),) if params.raw_logprobs else ()
+        kept: tuple[float, ...] = ()
+        if params.kept_mass:
+            kept = (math.nan if origin == Origin.FORCED else kept_logmass(logits, params, masked),)
         seq.ids.append(token)
         seq.logits = None
         seq.produced += 1
@@ -247,7 +242,7 @@ class Scheduler:
         elif seq.produced >= seq.budget:
             reason = FinishReason.LENGTH
         origins = (origin,) if origin != Origin.SAMPLED else ()
-        return self._emit(seq, reason, (token,), (logprob,), origins, raw)
+        return self._emit(seq, reason, (token,), (logprob,), origins, raw, kept)
 
     def _params(self, seq: Seq) -> SamplingParams:
         """The sampling parameters a draw uses: in deterministic mode at the wire's float32 temperature, the one
@@ -274,15 +269,25 @@ class Scheduler:
         logprobs: tuple[float, ...] = (),
         origins: tuple[Origin, ...] = (),
         raw: tuple[float, ...] = (),
+        kept: tuple[float, ...] = (),
     ) -> TokenChunk:
         """The chunk of this step's tokens for ``seq``. With a finish ``reason`` this is the one finish path: the
         sequence is marked finished, its KV parked (``_park``) and the chunk carries the turn's usage."""
         if reason is None:
-            return TokenChunk(ids, logprobs, self._version, origins, raw_logprobs=raw)
+            return TokenChunk(ids, logprobs, self._version, origins, raw_logprobs=raw, kept_logmass=kept)
         seq.finish = reason
         self._park(seq)
         usage = Usage(prompt_tokens=len(seq.request.token_ids), cached_tokens=seq.reused, generated_tokens=seq.produced)
-        return TokenChunk(ids, logprobs, self._version, origins, finish_reason=reason, usage=usage, raw_logprobs=raw)
+        return TokenChunk(
+            ids,
+            logprobs,
+            self._version,
+            origins,
+            finish_reason=reason,
+            usage=usage,
+            raw_logprobs=raw,
+            kept_logmass=kept,
+        )
 
     # -- the speculative step (worker thread) --------------------------------------------------------
 
@@ -301,27 +306,6 @@ class Scheduler:
                 drafts[seq] = tuple(draft)
         return drafts
 
-    def _verify_forward(self, seq: Seq, draft: tuple[int, ...]) -> list[np.ndarray]:
-        """Score [pending token + draft] in one forward; return the len(draft) + 1 next-token logit rows."""
-        import torch
-
-        if seq.in_batch:
-            self._unpack()
-        assert seq.cache is not None
-        feed = ([] if seq.logits is not None else [seq.ids[-1]]) + list(draft)
-        if self._invariant:
-            logits = forward_rows(self.model, seq.ids + list(draft), _invariant(seq))[0]
-        else:
-            logits = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([feed]), use_cache=True).logits[0]
-        rows = ([seq.logits] if seq.logits is not None else []) + list(logits)
-        seq.cached += len(feed)
-        seq.logits = None
-        self.counters.forward_passes += 1
-        extra = self.counters.extra
-        extra["spec_forwards"] = extra.get("spec_forwards", 0) + 1
-        extra["spec_drafted"] = extra.get("spec_drafted", 0) + len(draft)
-        return [r.double().numpy() for r in rows]
-
     def _accept(self, seq: Seq, draft: tuple[int, ...], rows: list[np.ndarray]) -> TokenChunk:
         """Verify a scored draft, emit the accepted prefix plus one token, crop the KV to what was accepted."""
         params = self._params(seq)
@@ -334,6 +318,7 @@ class Scheduler:
         logprobs: list[float] = []
         origins: list[Origin] = []
         raw: list[float] = []
+        kept: list[float] = []
         reason: FinishReason | None = None
         for i, (token, logprob, origin) in enumerate(emitted):
             ids.append(token)
@@ -341,6 +326,8 @@ class Scheduler:
             origins.append(origin)
             if params.raw_logprobs:
                 raw.append(raw_logprob(rows[i], token))
+            if params.kept_mass:
+                kept.append(kept_logmass(rows[i], params))
             seq.ids.append(token)
             seq.produced += 1
             self.counters.generated_tokens += 1
@@ -357,7 +344,7 @@ class Scheduler:
         if surplus > 0:
             seq.cache.crop(-surplus)  # transformers 5: a negative count removes that many trailing tokens
         seq.cached = len(seq.ids) - 1
-        return self._emit(seq, reason, tuple(ids), tuple(logprobs), tuple(origins), tuple(raw))
+        return self._emit(seq, reason, tuple(ids), tuple(logprobs), tuple(origins), tuple(raw), tuple(kept))
 
     # -- KV bookkeeping (worker thread) --------------------------------------------------------------
 
@@ -401,7 +388,7 @@ class Scheduler:
         while the abort was on its way here, and parking it then would leak it until evicted.
         """
         if seq.in_batch:
-            self._unpack()
+            self._passes.unpack()
         if seq.cache is None or seq.cached == 0 or not seq.request.episode_id or seq.finish == FinishReason.ABORT:
             seq.cache = None
             return
@@ -435,89 +422,14 @@ class Scheduler:
     # -- forward passes (worker thread) --------------------------------------------------------------
 
     def _prefill(self, seq: Seq) -> None:
-        import torch
-
-        if seq.in_batch:
-            self._unpack()
-        new = seq.ids[seq.cached :]
-        if seq.cache is None:
-            seq.cache, seq.cached = (InvariantCache() if self._invariant else new_cache(self.model.config)), 0  # type: ignore[assignment]
-            new = seq.ids
-        if seq.produced:  # KV dropped mid-turn by a weight swap: recomputed under the new weights
-            self.counters.extra["recomputed_tokens"] = self.counters.extra.get("recomputed_tokens", 0) + len(new)
-        if self._invariant:
-            seq.logits = forward_rows(self.model, seq.ids, _invariant(seq), rows_from=len(seq.ids) - 1)[0][-1]
-        else:
-            out = forward_with_cache(
-                self.model, seq.cache, input_ids=torch.tensor([new]), use_cache=True, logits_to_keep=1
-            )
-            seq.logits = out.logits[0, -1]
-        seq.cached = len(seq.ids)
-        self.counters.forward_passes += 1
+        """Prefill (``Passes.prefill``); a group's first member then keeps its prompt's KV for the others."""
+        self._passes.prefill(seq)
         req = seq.request
         if seq.share_prompt and ("grp", req.group_id) not in self._store:
             assert seq.cache is not None
             prompt = Parked(tuple(seq.ids), fork(seq.cache), seq.logits, req.cache_salt, 0, 0)
             prompt.nbytes = cache_nbytes(prompt.cache)
             self._store.put(("grp", req.group_id), prompt)
-
-    def _decode(self, seqs: list[Seq]) -> None:
-        import torch
-
-        if self._invariant:  # one forward per sequence: no row's result depends on who else is decoding
-            self.counters.forward_passes += len(seqs) - 1
-            for seq in seqs:
-                seq.logits = forward_rows(self.model, seq.ids, _invariant(seq))[0][-1]
-                seq.cached += 1
-        self.counters.forward_passes += 1
-        if self._invariant:
-            return
-        if len(seqs) == 1:
-            seq = seqs[0]
-            if seq.in_batch:
-                self._unpack()
-            assert seq.cache is not None
-            out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([[seq.ids[-1]]]), use_cache=True)
-            seq.logits = out.logits[0, -1]
-            seq.cached += 1
-            return
-        if self._batch is None or self._batch.rows != seqs:
-            self._unpack()
-            self._pack(seqs)
-        batch = self._batch
-        assert batch is not None
-        batch.mask = torch.cat([batch.mask, torch.ones(len(seqs), 1, dtype=batch.mask.dtype)], dim=1)
-        out = forward_with_cache(
-            self.model,
-            batch.cache,
-            input_ids=torch.tensor([[s.ids[-1]] for s in seqs]),
-            attention_mask=batch.mask,
-            position_ids=torch.tensor([[s.cached] for s in seqs]),
-            use_cache=True,
-        )
-        for i, seq in enumerate(seqs):
-            seq.logits = out.logits[i, -1]
-            seq.cached += 1
-        self.counters.extra["batched_rows"] = self.counters.extra.get("batched_rows", 0) + len(seqs)
-
-    def _pack(self, seqs: list[Seq]) -> None:
-        """Left-pad the sequences' KV into one batched cache."""
-        caches = []
-        for seq in seqs:
-            assert seq.cache is not None
-            caches.append(seq.cache)
-        cache, mask = pack_left(caches, [seq.cached for seq in seqs])
-        for seq in seqs:
-            seq.cache, seq.in_batch = None, True
-        self._batch = Batch(list(seqs), cache, mask)
-
-    def _unpack(self) -> None:
-        """Split the batched cache back into per-sequence caches."""
-        batch, self._batch = self._batch, None
-        if batch is None:
-            return
-        for seq, cache in zip(batch.rows, unpack_left(batch.cache, [s.cached for s in batch.rows]), strict=True):
-            seq.cache, seq.in_batch = cache, False
 
     # -- weights (worker thread) ---------------------------------------------------------------------
 
@@ -531,7 +443,7 @@ class Scheduler:
                 own[k].copy_(t)
         self._version = update.policy_version
         if not update.keep_kv:
-            self._unpack()
+            self._passes.unpack()
             self._store.clear()
             for seq in self._active:  # in flight: recompute under the new weights at the next step
                 seq.cache, seq.cached, seq.logits, seq.deferred = None, 0, None, 0

@@ -99,6 +99,8 @@ def trajectory_json(
     }
     if any(not math.isnan(x) for x in ep.raw_logprobs):
         out["raw_logprobs"] = [_lp(x) for x in ep.raw_logprobs]
+    if any(not math.isnan(x) for x in ep.kept_logmass):
+        out["kept_logmass"] = [_lp(x) for x in ep.kept_logmass]
     if duration_ms is not None:
         out["duration_ms"] = duration_ms
     return out

@@ -381,3 +381,22 @@ async def test_update_weights_changes_outputs_and_versions(tmp_path: Path, refer
     finally:
         await client.close()
         await server.stop(0.5)
+
+
+async def test_kept_mass_recovers_the_untruncated_logprob(embedded: Bridge, reference: Any) -> None:
+    """top-k 20 at temperature 0.7: logprob + kept_logmass is the untruncated tempered logprob of the reference."""
+    server, client = embedded
+    prompt = _chat(server, "Name a fruit.")
+    sampling = {"temperature": 0.7, "top_k": 20, "max_tokens": 12, "seed": 2, "kept_mass": True, "ignore_eos": True}
+    ep = (await client.start_episode(prompt, sampling=sampling)).episode_id
+    turn = await client.step(ep)
+    traj = await client.end_episode(ep)
+    ids = turn.token_ids.tolist()
+    with torch.inference_mode():
+        logits = reference(torch.tensor([prompt + ids])).logits[0].double()
+    rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(ids))
+    tempered = torch.log_softmax(logits / 0.7, -1)[rows, torch.tensor(ids)].numpy()
+    assert turn.kept_logmass is not None and (turn.kept_logmass < 0).all()  # top-k 20 of 49,152 always cuts
+    np.testing.assert_allclose(turn.logprobs + turn.kept_logmass, tempered, atol=1e-4, rtol=0)
+    assert traj.kept_logmass is not None and np.isnan(traj.kept_logmass[: len(prompt)]).all()
+    np.testing.assert_array_equal(traj.kept_logmass[len(prompt) :], turn.kept_logmass)

@@ -161,3 +161,33 @@ async def test_toy_turns_draw_what_token_by_token_sampling_draws() -> None:
                 assert [x for c in chunks for x in c.raw_logprobs] == [lp for _, lp in want]
             stopped += params.seed is None and chunks[-1].finish_reason == FinishReason.STOP
     assert stopped  # an unseeded turn stopped mid-chunk, and the unseeded turns after it still matched
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [{"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.05}, {"top_k": 50, "top_p": 0.8, "min_p": 0.01}],
+    ids=["top_p", "top_k", "min_p", "all"],
+)
+def test_processed_logprob_plus_kept_mass_is_the_untruncated_logprob(cut: dict[str, float]) -> None:
+    from engines.sampling import kept_logmass
+
+    logits = np.random.default_rng(1).normal(0.0, 3.0, 500)
+    params = SamplingParams(temperature=0.7, **cut)  # type: ignore[arg-type]
+    processed = processed_logprobs(logits, params)
+    kept = kept_logmass(logits, params)
+    assert kept < 0.0  # something was cut
+    untruncated = log_softmax(logits / 0.7)
+    ok = np.isfinite(processed)
+    np.testing.assert_allclose(processed[ok] + kept, untruncated[ok], rtol=0, atol=1e-12)
+    assert kept == pytest.approx(float(np.log(np.exp(untruncated[ok]).sum())), abs=1e-12)
+
+
+def test_kept_mass_is_zero_when_nothing_is_cut_and_counts_a_grammar_mask() -> None:
+    from engines.sampling import kept_logmass
+
+    logits = np.random.default_rng(2).normal(0.0, 2.0, 100)
+    assert kept_logmass(logits, SamplingParams(temperature=0.7)) == 0.0
+    assert kept_logmass(logits, SamplingParams(temperature=0.0, top_k=5)) == 0.0  # greedy reports the raw distribution
+    masked = np.where(np.arange(100) < 10, logits, -np.inf)  # a grammar allows tokens 0..9
+    want = float(np.log(np.exp(log_softmax(logits / 0.7)[:10]).sum()))
+    assert kept_logmass(logits, SamplingParams(temperature=0.7), masked) == pytest.approx(want, abs=1e-12)

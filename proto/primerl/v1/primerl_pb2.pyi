@@ -108,6 +108,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     RAW_LOGPROBS_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
+    KEPT_MASS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature, >= 0. 0 means greedy decoding."""
     top_p: _builtins.float
@@ -131,6 +132,12 @@ class SamplingParams(_message.Message):
     """Min-p filtering in [0, 1]: keep the tokens whose probability (after temperature) is at least
     min_p times the most likely token's. 0 disables it.
     """
+    kept_mass: _builtins.bool
+    """Also report, for each sampled token, the log of the probability mass (after temperature) that the
+    sampler's filters kept (top-k, top-p, min-p, a grammar mask); 0 when nothing was cut. logprob +
+    kept_logmass is the token's logprob under the untruncated temperature-scaled distribution.
+    Toy and embedded engines only (UNIMPLEMENTED on remote engines: their APIs do not report it).
+    """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end the turn (in addition to the model's end-of-turn tokens).
@@ -149,13 +156,16 @@ class SamplingParams(_message.Message):
         ignore_eos: _builtins.bool | None = ...,
         raw_logprobs: _builtins.bool | None = ...,
         min_p: _builtins.float | None = ...,
+        kept_mass: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_raw_logprobs", b"_raw_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "min_p", b"min_p", "raw_logprobs", b"raw_logprobs", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_kept_mass", b"_kept_mass", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_raw_logprobs", b"_raw_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "kept_mass", b"kept_mass", "max_tokens", b"max_tokens", "min_p", b"min_p", "raw_logprobs", b"raw_logprobs", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_raw_logprobs", b"_raw_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "min_p", b"min_p", "raw_logprobs", b"raw_logprobs", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos", "_kept_mass", b"_kept_mass", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_raw_logprobs", b"_raw_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "kept_mass", b"kept_mass", "max_tokens", b"max_tokens", "min_p", b"min_p", "raw_logprobs", b"raw_logprobs", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ignore_eos: _TypeAlias = _typing.Literal["ignore_eos"]  # noqa: Y015
     _WhichOneofArgType__ignore_eos: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos"]  # noqa: Y015
+    _WhichOneofReturnType__kept_mass: _TypeAlias = _typing.Literal["kept_mass"]  # noqa: Y015
+    _WhichOneofArgType__kept_mass: _TypeAlias = _typing.Literal["_kept_mass", b"_kept_mass"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
     _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
@@ -172,6 +182,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ignore_eos) -> _WhichOneofReturnType__ignore_eos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kept_mass) -> _WhichOneofReturnType__kept_mass | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
     @_typing.overload
@@ -614,6 +626,7 @@ class StepChunk(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     RAW_LOGPROBS_FIELD_NUMBER: _builtins.int
+    KEPT_LOGMASS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Detokenized text of this chunk, when the engine has a tokenizer."""
     @_builtins.property
@@ -636,6 +649,10 @@ class StepChunk(_message.Message):
     def raw_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Raw (temperature-1) logprob of each token; only when sampling.raw_logprobs is set."""
 
+    @_builtins.property
+    def kept_logmass(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Log of the probability mass the sampler kept for each token; only when sampling.kept_mass is set."""
+
     def __init__(
         self,
         *,
@@ -645,10 +662,11 @@ class StepChunk(_message.Message):
         text: _builtins.str = ...,
         done: Global___TurnDone | None = ...,
         raw_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        kept_logmass: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "logprobs", b"logprobs", "origins", b"origins", "raw_logprobs", b"raw_logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "kept_logmass", b"kept_logmass", "logprobs", b"logprobs", "origins", b"origins", "raw_logprobs", b"raw_logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -780,6 +798,7 @@ class Trajectory(_message.Message):
     DURATION_MS_FIELD_NUMBER: _builtins.int
     GROUP_INDEX_FIELD_NUMBER: _builtins.int
     RAW_LOGPROBS_FIELD_NUMBER: _builtins.int
+    KEPT_LOGMASS_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     group_id: _builtins.str
     model: _builtins.str
@@ -821,6 +840,12 @@ class Trajectory(_message.Message):
         Empty when no turn of the episode asked for raw logprobs.
         """
 
+    @_builtins.property
+    def kept_logmass(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Log of the probability mass the sampler kept for each token (0: nothing cut); NaN where not sampled or
+        not asked for. Empty when no turn of the episode asked for it (sampling.kept_mass).
+        """
+
     def __init__(
         self,
         *,
@@ -840,10 +865,11 @@ class Trajectory(_message.Message):
         duration_ms: _builtins.float = ...,
         group_index: _builtins.int = ...,
         raw_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        kept_logmass: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_ms", b"duration_ms", "episode_id", b"episode_id", "group_id", b"group_id", "group_index", b"group_index", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "metadata", b"metadata", "model", b"model", "origins", b"origins", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "raw_logprobs", b"raw_logprobs", "rewards", b"rewards", "token_ids", b"token_ids", "turn_rewards", b"turn_rewards", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_ms", b"duration_ms", "episode_id", b"episode_id", "group_id", b"group_id", "group_index", b"group_index", "kept_logmass", b"kept_logmass", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "metadata", b"metadata", "model", b"model", "origins", b"origins", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "raw_logprobs", b"raw_logprobs", "rewards", b"rewards", "token_ids", b"token_ids", "turn_rewards", b"turn_rewards", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
