@@ -5,9 +5,10 @@ to G rows: the same logprobs and the same gradient as G full forwards, for one p
 G (the trainer-side twin of the engine's shared group prefill). Completions are right-padded, so padding
 only ever follows the real tokens of a row and changes nothing the mask selects.
 
-``save_for_bridge`` writes the model's parameters as ``model.safetensors`` under their HF names without
-``lm_head.weight`` (tied to the embeddings; safetensors refuses shared tensors) — what the embedded
-engine's ``update_weights`` loads.
+``save_for_bridge`` writes the model's parameters as ``model.safetensors`` under their HF names, ``lm_head.weight``
+as a copy even when it is tied to the embeddings (safetensors refuses shared tensors, and vLLM's in-place reload
+keeps a tied head's old values when the checkpoint has none), and the model's ``config.json``: what the embedded
+engine's ``update_weights`` loads, and a directory a vLLM replica can reload.
 """
 
 from __future__ import annotations
@@ -123,9 +124,17 @@ def save_for_bridge(model: Any, directory: str | Path) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    if "lm_head.weight" in model.state_dict():  # a copy even when tied (safetensors refuses shared tensors): vLLM's
+        # in-place reload leaves a tied lm_head at its old values when the checkpoint has none (bench/mismatch.py)
+        state["lm_head.weight"] = model.state_dict()["lm_head.weight"].detach().clone().contiguous()
     tmp = d / "model.safetensors.tmp"
     save_file(state, str(tmp))
     tmp.replace(d / "model.safetensors")
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_file"):  # a vLLM replica reloads only a dir with config.json
+        tmp_json = d / "config.json.tmp"
+        config.to_json_file(str(tmp_json))
+        tmp_json.replace(d / "config.json")
     return d
 
 

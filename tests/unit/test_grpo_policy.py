@@ -1,5 +1,6 @@
 """grpo.policy and grpo.losses on a tiny random Llama: the shared-prompt group forward gives the same
-logprobs and gradients as G independent full forwards; the exported weights omit the tied lm_head."""
+logprobs and gradients as G independent full forwards; the exported weights hold every parameter, the tied lm_head
+as a copy (vLLM's in-place reload needs it), and the model's config."""
 
 from __future__ import annotations
 
@@ -60,16 +61,16 @@ def test_group_forward_equals_independent_full_forwards(temperature: float) -> N
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_save_for_bridge_writes_every_parameter_but_the_tied_head(tmp_path: Path) -> None:
+def test_save_for_bridge_writes_every_parameter_the_tied_head_as_a_copy_and_the_config(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     model = tiny_model()
     d = save_for_bridge(model, tmp_path / "w")
     state = load_file(str(d / "model.safetensors"))
     own = model.state_dict()  # type: ignore[attr-defined]
-    assert "lm_head.weight" not in state and set(state) == set(own) - {"lm_head.weight"}
-    torch.testing.assert_close(state["model.embed_tokens.weight"], own["lm_head.weight"])
-    assert [p.name for p in d.iterdir()] == ["model.safetensors"]
+    assert set(state) == set(own)
+    assert all(torch.equal(state[k], own[k]) for k in own)
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_losses_clip_aggregate_and_kl() -> None:
