@@ -87,8 +87,9 @@ def invariant_group_forward(
     the prompt's last token is recomputed per completion, as the engine recomputes a partly filled chunk);
     ``logprobs`` are float64 tensors holding float32 values (the trajectory's precision).
     """
-    from engines.embedded.invariant import CHUNK, InvariantCache, forward_rows, token_logprobs
+    from engines.embedded.invariant import CHUNK, InvariantCache, check_supported, forward_rows, token_logprobs
 
+    check_supported(model)
     prompt = [int(t) for t in prompt_ids]
     shared = len(prompt) - 1 - (len(prompt) - 1) % CHUNK  # whole chunks before the row predicting token 0
     base = InvariantCache()

@@ -76,7 +76,15 @@ class EmbeddedEngine:
     @classmethod
     async def start(cls, config: EmbeddedConfig, model: str = "", replica: str = "embedded-0") -> EmbeddedEngine:
         """Load the model off the event loop (seconds when cached; ~30 s for the first conversion)."""
-        return cls(await asyncio.to_thread(load_model, config, model), config, replica)
+        loaded = await asyncio.to_thread(load_model, config, model)
+        if config.batch_invariant:
+            from engines.embedded.invariant import check_supported
+
+            try:
+                check_supported(loaded.model)
+            except ValueError as exc:
+                raise EngineUnavailable(f"engine.embedded.batch_invariant: {exc}") from None
+        return cls(loaded, config, replica)
 
     @property
     def policy_version(self) -> int:

@@ -35,6 +35,17 @@ if TYPE_CHECKING:
     import torch
 
 CHUNK = 8
+ARCHITECTURES = frozenset({"llama"})  # what forward_rows implements (pre-norm, GQA, RoPE, gated MLP, no extras)
+
+
+def check_supported(model: Any) -> None:
+    """Raise ValueError unless ``forward_rows`` implements ``model``'s architecture."""
+    kind = getattr(model.config, "model_type", "")
+    if kind not in ARCHITECTURES:
+        raise ValueError(
+            f"the batch-invariant forward implements {sorted(ARCHITECTURES)} models; this one is {kind!r} "
+            "(turn batch_invariant off for it)"
+        )
 
 
 class InvariantCache:
@@ -210,4 +221,12 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], temperature: flo
     return torch.stack(out)
 
 
-__all__ = ["CHUNK", "InvariantCache", "forward_rows", "token_logprobs", "wire_temperature"]
+__all__ = [
+    "ARCHITECTURES",
+    "CHUNK",
+    "InvariantCache",
+    "check_supported",
+    "forward_rows",
+    "token_logprobs",
+    "wire_temperature",
+]

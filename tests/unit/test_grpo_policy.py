@@ -104,3 +104,28 @@ def test_masked_positions_holding_nan_never_reach_the_loss_or_gradient() -> None
         (grad,) = torch.autograd.grad(loss, lp)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
         assert grad[0, 0] == grad[0, 2] == grad[0, 3] == 0.0 and grad[0, 1] != 0.0
+
+
+def test_the_invariant_forward_refuses_an_architecture_it_does_not_implement() -> None:
+    from engines.embedded.invariant import check_supported
+
+    model = tiny_model()
+    check_supported(model)  # a Llama
+    model.config.model_type = "qwen3"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"implements \['llama'\] models; this one is 'qwen3'"):
+        check_supported(model)
+
+
+def test_invariant_group_forward_matches_the_default_forward_and_carries_gradients() -> None:
+    from grpo.policy import invariant_group_forward
+
+    model = tiny_model()
+    prompt = list(range(3, 14))  # 11 tokens: the prompt's last chunk is recomputed per completion
+    comps = [np.arange(20, 37), np.arange(30, 33), np.arange(40, 41)]
+    a = invariant_group_forward(model, prompt, comps, temperature=0.8)
+    b = group_forward(model, prompt, comps, temperature=0.8)
+    assert a.logprobs.dtype == torch.float64 and torch.equal(a.mask, b.mask)
+    torch.testing.assert_close(a.logprobs[a.mask].float(), b.logprobs[b.mask], atol=1e-5, rtol=0)
+    assert torch.equal(a.logprobs, a.logprobs.float().double())  # the trajectory's float32 precision
+    a.logprobs[a.mask].sum().backward()
+    assert all(p.grad is not None for p in model.parameters())  # type: ignore[attr-defined]
