@@ -46,7 +46,7 @@ async def fidelity(invariant: bool, model: Any, args: argparse.Namespace) -> dic
     import numpy as np
 
     from core.types import Message
-    from grpo.fidelity import recompute, replay, sample_groups
+    from grpo.fidelity import Workload, recompute, replay, sample_groups
     from rl_client import AsyncBridgeClient
     from server.app import create_server
     from server.config import load_settings
@@ -58,18 +58,14 @@ async def fidelity(invariant: bool, model: Any, args: argparse.Namespace) -> dic
     try:
         tok = server.bridge.engines[0].tokenizer
         prompts = [tok.render_prompt([Message("user", q)]) for q in _questions(args.prompts)]
-        kw: dict[str, Any] = {
-            "group_size": 8,
-            "turns": args.turns,
-            "sampling": {"temperature": 0.8, "max_tokens": args.max_tokens},
-            "seed": 17,
-        }
+        sampling = {"temperature": 0.8, "max_tokens": args.max_tokens}
+        work = Workload(prompts, group_size=8, turns=args.turns, sampling=sampling, seed=17)
         t0 = time.perf_counter()
-        together = await sample_groups(client, prompts, **kw)
+        together = await sample_groups(client, work)
         wall = time.perf_counter() - t0
         generated = sum(int(np.sum(np.asarray(t.loss_mask, bool))) for t in together)
         figures = recompute(model, together, temperature=0.8)
-        alone = await replay(client, prompts, **kw)
+        alone = await replay(client, work)
         same = sum(
             np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.logprobs, b.logprobs, equal_nan=True)
             for a, b in zip(together, alone, strict=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,45 +33,41 @@ async def _episode(client: Any, episode_id: str, turns: int, observation: Observ
     return await client.end_episode(episode_id)
 
 
-async def sample_groups(
-    client: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    group_size: int,
-    turns: int,
-    sampling: Mapping[str, Any],
-    observation: Observation = default_observation,
-    seed: int = 0,
-) -> list[Trajectory]:
-    """One group per prompt, all groups at once; group ``g`` is seeded ``seed + g * group_size`` (member ``i``
-    samples with that plus ``i``, the bridge's rule), so ``replay`` can run each episode again alone."""
+@dataclass(frozen=True)
+class Workload:
+    """Groups of episodes: one group of ``group_size`` per prompt, ``turns`` turns each, ``observation(t)`` appended
+    before turn ``t`` > 0. Group ``g`` is seeded ``seed + g * group_size`` (member ``i`` samples with that plus ``i``,
+    the bridge's rule), so ``replay`` can run each episode again alone."""
+
+    prompts: Sequence[Sequence[int]]
+    group_size: int
+    turns: int
+    sampling: Mapping[str, Any]
+    observation: Observation = default_observation
+    seed: int = 0
+
+
+async def sample_groups(client: Any, w: Workload) -> list[Trajectory]:
+    """All groups at once; their trajectories in prompt order, members in group order."""
 
     async def group(g: int, prompt: Sequence[int]) -> list[Trajectory]:
-        params = dict(sampling) | {"seed": seed + g * group_size}
-        started = await client.start_episode(list(prompt), group_size=group_size, sampling=params)
-        return list(await asyncio.gather(*(_episode(client, ep, turns, observation) for ep in started.episode_ids)))
+        params = dict(w.sampling) | {"seed": w.seed + g * w.group_size}
+        started = await client.start_episode(list(prompt), group_size=w.group_size, sampling=params)
+        runs = (_episode(client, ep, w.turns, w.observation) for ep in started.episode_ids)
+        return list(await asyncio.gather(*runs))
 
-    groups = await asyncio.gather(*(group(g, p) for g, p in enumerate(prompts)))
+    groups = await asyncio.gather(*(group(g, p) for g, p in enumerate(w.prompts)))
     return [t for grp in groups for t in grp]
 
 
-async def replay(
-    client: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    group_size: int,
-    turns: int,
-    sampling: Mapping[str, Any],
-    observation: Observation = default_observation,
-    seed: int = 0,
-) -> list[Trajectory]:
-    """The episodes of ``sample_groups`` (same arguments) again, one at a time, in the same order."""
+async def replay(client: Any, w: Workload) -> list[Trajectory]:
+    """The episodes of ``sample_groups(client, w)`` again, one at a time, in the same order."""
     out = []
-    for g, prompt in enumerate(prompts):
-        for i in range(group_size):
-            params = dict(sampling) | {"seed": seed + g * group_size + i}
+    for g, prompt in enumerate(w.prompts):
+        for i in range(w.group_size):
+            params = dict(w.sampling) | {"seed": w.seed + g * w.group_size + i}
             started = await client.start_episode(list(prompt), sampling=params)
-            out.append(await _episode(client, started.episode_ids[0], turns, observation))
+            out.append(await _episode(client, started.episode_ids[0], w.turns, w.observation))
     return out
 
 
@@ -106,4 +103,4 @@ def recompute(
     return monitor.figures()
 
 
-__all__ = ["default_observation", "recompute", "replay", "sample_groups"]
+__all__ = ["Workload", "default_observation", "recompute", "replay", "sample_groups"]

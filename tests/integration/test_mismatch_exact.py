@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from core.types import Message
-from grpo.fidelity import recompute, replay, sample_groups
+from grpo.fidelity import Workload, recompute, replay, sample_groups
 from rl_client import AsyncBridgeClient
 from server.app import BridgeServer, create_server
 from server.config import load_settings
@@ -63,8 +63,8 @@ async def test_deterministic_mode_records_the_trainers_logprobs_bit_for_bit(
     server, client = invariant
     prompts = _prompts(server)
     assert len(prompts[0]) != len(prompts[1])
-    kw: dict[str, Any] = {"group_size": 4, "turns": 3, "sampling": SAMPLING, "seed": 5}
-    together = await sample_groups(client, prompts, **kw)
+    work = Workload(prompts, group_size=4, turns=3, sampling=SAMPLING, seed=5)
+    together = await sample_groups(client, work)
     assert len(together) == 8 and all(len(t.turns) == 3 for t in together)
     assert server.bridge.engines[0].counters.cached_tokens > 0  # turns 2 and 3 reused their episode's KV
     figures = recompute(trainer_model, together, temperature=SAMPLING["temperature"])
@@ -73,7 +73,7 @@ async def test_deterministic_mode_records_the_trainers_logprobs_bit_for_bit(
     assert figures["mismatch/k3_kl"] == 0.0
     assert figures["mismatch/out_0.9_1.1"] == 0.0
 
-    alone = await replay(client, prompts, **kw)
+    alone = await replay(client, work)
     for a, b in zip(together, alone, strict=True):
         assert np.array_equal(a.token_ids, b.token_ids)
         assert np.array_equal(a.logprobs, b.logprobs, equal_nan=True)
@@ -83,8 +83,7 @@ async def test_default_mode_is_close_but_not_exact(trainer_model: Any) -> None:
     server, client = await _bridge(False)
     try:
         prompts = _prompts(server)
-        kw: dict[str, Any] = {"group_size": 4, "turns": 3, "sampling": SAMPLING, "seed": 5}
-        together = await sample_groups(client, prompts, **kw)
+        together = await sample_groups(client, Workload(prompts, group_size=4, turns=3, sampling=SAMPLING, seed=5))
         figures = recompute(trainer_model, together, temperature=SAMPLING["temperature"])
         default = recompute(trainer_model, together, temperature=SAMPLING["temperature"], batch_invariant=False)
     finally:
