@@ -64,9 +64,6 @@ class InvariantCache:
     def length(self) -> int:
         return int(self.keys[0].shape[-2]) if self.keys else 0
 
-    def get_seq_length(self) -> int:
-        return self.length
-
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` positions; a negative count removes that many trailing ones
         (``DynamicCache.crop``'s convention)."""
@@ -82,13 +79,6 @@ class InvariantCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _layer(
     layer: Any,
     h: torch.Tensor,
@@ -96,40 +86,29 @@ def _layer(
     past: tuple[torch.Tensor | None, torch.Tensor | None],
     p: int,
     real: int,
-    allowed: torch.Tensor,
+    mask: torch.Tensor,
     shape: tuple[int, int, int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decoder layer over the chunk at ``p`` (``real`` of its rows are tokens): the new hidden state and the
-    layer's keys and values for positions ``[0, p + real)``."""
+    """One decoder layer over the chunk at ``p`` (``real`` of its rows are tokens), through transformers' own RoPE
+    and eager attention: the new hidden state and the layer's keys and values for positions ``[0, p + real)``."""
     import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
     n_heads, n_kv, head_dim = shape
-    cos, sin = rope
     attn = layer.self_attn
     x = layer.input_layernorm(h)
     q = attn.q_proj(x).view(1, CHUNK, n_heads, head_dim).transpose(1, 2)
     k = attn.k_proj(x).view(1, CHUNK, n_kv, head_dim).transpose(1, 2)
     v = attn.v_proj(x).view(1, CHUNK, n_kv, head_dim).transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q, k = apply_rotary_pos_emb(q, k, *rope)
     past_k, past_v = past
     if past_k is not None and past_v is not None and p > 0:
-        k_all = torch.cat([past_k[..., :p, :], k], dim=2)
-        v_all = torch.cat([past_v[..., :p, :], v], dim=2)
-    else:
-        k_all, v_all = k, v
-    kept_k, kept_v = k_all[..., : p + real, :], v_all[..., : p + real, :]
-    if n_kv != n_heads:
-        rep = n_heads // n_kv
-        k_all = k_all[:, :, None].expand(1, n_kv, rep, p + CHUNK, head_dim).reshape(1, n_heads, -1, head_dim)
-        v_all = v_all[:, :, None].expand(1, n_kv, rep, p + CHUNK, head_dim).reshape(1, n_heads, -1, head_dim)
-    scores = torch.matmul(q, k_all.transpose(2, 3)) * attn.scaling
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(weights, v_all).transpose(1, 2).reshape(1, CHUNK, n_heads * head_dim)
-    h = h + attn.o_proj(out)
+        k = torch.cat([past_k[..., :p, :], k], dim=2)
+        v = torch.cat([past_v[..., :p, :], v], dim=2)
+    out, _ = eager_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
+    h = h + attn.o_proj(out.reshape(1, CHUNK, n_heads * head_dim))
     h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return h, kept_k, kept_v
+    return h, k[..., : p + real, :], v[..., : p + real, :]
 
 
 def forward_rows(
@@ -174,13 +153,13 @@ def forward_rows(
         real = min(CHUNK, n - p)
         chunk = torch.tensor([list(ids[p : p + real]) + [pad] * (CHUNK - real)], dtype=torch.long, device=device)
         positions = torch.arange(p, p + CHUNK, device=device)[None]
-        # Query row r (absolute p + r) may see keys [0, p + r]; later keys get an exact zero weight.
-        allowed = torch.arange(p + CHUNK, device=device)[None, :] <= positions[0][:, None]
+        # Query row r (absolute p + r) may see keys [0, p + r]; later keys get -inf, an exact zero weight.
+        later = torch.arange(p + CHUNK, device=device)[None, :] > positions[0][:, None]
         h = core.embed_tokens(chunk)
-        cos, sin = core.rotary_emb(h, positions)
-        cos, sin = cos[:, None], sin[:, None]
+        mask = torch.zeros(later.shape, dtype=h.dtype, device=device).masked_fill(later, float("-inf"))[None, None]
+        rope = core.rotary_emb(h, positions)
         for li, layer in enumerate(layers):
-            h, keys[li], values[li] = _layer(layer, h, (cos, sin), (keys[li], values[li]), p, real, allowed, shape)
+            h, keys[li], values[li] = _layer(layer, h, rope, (keys[li], values[li]), p, real, mask, shape)
         lo, hi = max(rows_from, p) - p, real
         if lo < hi:
             normed = core.norm(h)
