@@ -72,10 +72,16 @@ def _chat(server: BridgeServer, text: str) -> list[int]:
     return _engine(server).tokenizer.render_prompt([Message("user", text)])
 
 
-def _full_logprobs(model: Any, ids: list[int]) -> Any:
+def _generated_logprobs(model: Any, prompt: list[int], ids: list[int], temperature: float = 1.0) -> Any:
+    """The reference's logprob of each generated token ``ids`` after ``prompt`` at ``temperature`` (numpy)."""
+    rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(ids))
+    return (_full_logprobs(model, prompt + ids, temperature)[rows, torch.tensor(ids)]).numpy()
+
+
+def _full_logprobs(model: Any, ids: list[int], temperature: float = 1.0) -> Any:
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0].double()
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits / temperature, dim=-1)
 
 
 async def test_greedy_equals_transformers_generate_and_logprobs_match_full_forward(
@@ -109,13 +115,8 @@ async def test_raw_logprobs_are_the_temperature_one_distribution(embedded: Bridg
     ep = (await client.start_episode(prompt, sampling=sampling)).episode_id
     turn = await client.step(ep)
     traj = await client.end_episode(ep)
-    ids = turn.token_ids.tolist()
-    with torch.inference_mode():
-        logits = reference(torch.tensor([prompt + ids])).logits[0].double()
-    rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(ids))
-    picked = torch.tensor(ids)
-    raw = torch.log_softmax(logits, -1)[rows, picked].numpy()
-    tempered = torch.log_softmax(logits / 0.7, -1)[rows, picked].numpy()
+    raw = _generated_logprobs(reference, prompt, turn.token_ids.tolist())
+    tempered = _generated_logprobs(reference, prompt, turn.token_ids.tolist(), temperature=0.7)
     assert turn.raw_logprobs is not None
     np.testing.assert_allclose(turn.raw_logprobs, raw, atol=1e-4, rtol=0)
     np.testing.assert_allclose(turn.logprobs, tempered, atol=1e-4, rtol=0)
@@ -391,11 +392,7 @@ async def test_kept_mass_recovers_the_untruncated_logprob(embedded: Bridge, refe
     ep = (await client.start_episode(prompt, sampling=sampling)).episode_id
     turn = await client.step(ep)
     traj = await client.end_episode(ep)
-    ids = turn.token_ids.tolist()
-    with torch.inference_mode():
-        logits = reference(torch.tensor([prompt + ids])).logits[0].double()
-    rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(ids))
-    tempered = torch.log_softmax(logits / 0.7, -1)[rows, torch.tensor(ids)].numpy()
+    tempered = _generated_logprobs(reference, prompt, turn.token_ids.tolist(), temperature=0.7)
     assert turn.kept_logmass is not None and (turn.kept_logmass < 0).all()  # top-k 20 of 49,152 always cuts
     np.testing.assert_allclose(turn.logprobs + turn.kept_logmass, tempered, atol=1e-4, rtol=0)
     assert traj.kept_logmass is not None and np.isnan(traj.kept_logmass[: len(prompt)]).all()
