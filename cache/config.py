@@ -45,6 +45,13 @@ class CacheConfig(BaseModel):
         2.0, gt=0, le=1000, description="A lookup slower than this fails open to load-only routing (counted)."
     )
     write_timeout_ms: float = Field(50.0, gt=0, le=10000, description="Timeout of one background index write.")
+    event_write_timeout_ms: float = Field(
+        2000.0,
+        gt=0,
+        le=60000,
+        description="Timeout of one index write from a replica's KV events (awaited and retried once, never "
+        "skipped: a lost event write would leave the exact index wrong, so the replica's entries are dropped).",
+    )
     lookup_mode: Literal["script", "pipeline"] = Field(
         "script",
         description="Redis lookup: script = one server-side walk (Lua) per lookup; pipeline = chunked HGETALLs.",

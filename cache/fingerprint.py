@@ -64,9 +64,14 @@ class Fingerprinter:
         out = list(prev[:n])
         if len(out) == n:
             return out
-        start = len(out) * b
-        data = np.asarray(token_ids[start : n * b], dtype="<u4").tobytes()
-        parent = out[-1] if out else self.root(salt)
+        return out + self.chain(out[-1] if out else self.root(salt), token_ids[len(out) * b : n * b])
+
+    def chain(self, parent: int, token_ids: Sequence[int]) -> list[int]:
+        """Hashes of the full blocks of ``token_ids`` continuing the chain whose last hash is ``parent``
+        (a block's hash, or ``root(salt)`` for a chain's first block)."""
+        b = self.block_size
+        out: list[int] = []
+        data = np.asarray(token_ids[: len(token_ids) // b * b], dtype="<u4").tobytes()
         step = 4 * b
         if self.algo == "xxh3_64":
             digest = xxhash.xxh3_64_intdigest

@@ -46,6 +46,7 @@ from typing import Literal, Protocol
 
 Eviction = Literal["cost", "lru"]
 BYTES_PER_ENTRY = 24  # notional: 8 B hash + 8 B replica/state + 8 B score (what a compact store needs)
+SyncOp = Literal["confirm", "evict", "forget"]  # what a replica's KV events write (PrefixIndex.sync)
 REUSE_CAP = 16.0  # cost eviction: a block outlives a one-off by at most REUSE_CAP - 1 capacity turnovers
 SCORE_UNITS = 1_000_000.0  # scores are integers: priorities in millionths (compact in Redis, cache/redis_scripts.py)
 CHAIN_EPS = 1.0  # cost eviction: a parent scores at least one unit above its child
@@ -96,8 +97,18 @@ class PrefixIndex(Protocol):
         """The turn failed before prefill: remove its still-provisional entries."""
         ...
 
+    async def evict(self, replica: int, hashes: Sequence[int]) -> None:
+        """The engine reports it evicted these blocks (KV events): remove them, confirmed or not."""
+        ...
+
     async def forget_replica(self, replica: int) -> None:
         """The replica restarted or left: everything it held is gone."""
+        ...
+
+    async def sync(self, replica: int, op: SyncOp, hashes: Sequence[int] = ()) -> bool:
+        """An engine's KV event applied now (``confirm``, ``evict`` or ``forget`` the replica): awaited, not a
+        background write, never skipped to fail open. False if it could not be written (the caller then
+        stops trusting the replica's entries; cache/event_index.py)."""
         ...
 
     async def pin(self, key: str, replica: int, ttl_s: float) -> int:
@@ -322,10 +333,11 @@ class MemoryIndex:
         while ghosts and (len(ghosts) > bound or next(iter(ghosts.values()))[1] <= now):
             ghosts.popitem(last=False)
 
-    def drop_now(self, replica: int, hashes: Sequence[int]) -> None:
+    def drop_now(self, replica: int, hashes: Sequence[int], evicted: bool = False) -> None:
+        """Remove the provisional entries among ``hashes`` (every entry when the engine ``evicted`` them)."""
         for h in hashes:
             e = self._holders.get(h, {}).get(replica)
-            if e is not None and e.until:
+            if e is not None and (e.until or evicted):
                 self._remove(replica, h)
 
     def forget_replica_now(self, replica: int) -> None:
@@ -398,8 +410,20 @@ class MemoryIndex:
     async def drop(self, replica: int, hashes: Sequence[int]) -> None:
         self.drop_now(replica, hashes)
 
+    async def evict(self, replica: int, hashes: Sequence[int]) -> None:
+        self.drop_now(replica, hashes, evicted=True)
+
     async def forget_replica(self, replica: int) -> None:
         self.forget_replica_now(replica)
+
+    async def sync(self, replica: int, op: SyncOp, hashes: Sequence[int] = ()) -> bool:
+        if op == "confirm":
+            self.confirm_now(replica, hashes)
+        elif op == "evict":
+            self.drop_now(replica, hashes, evicted=True)
+        else:
+            self.forget_replica_now(replica)
+        return True
 
     async def pin(self, key: str, replica: int, ttl_s: float) -> int:
         return self.pin_now(key, replica, ttl_s)

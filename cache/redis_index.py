@@ -24,7 +24,7 @@ sets of at most 128 small entries), about 30 B per (block, replica) entry (bench
 index refills from new turns, and an older bridge sharing the Redis simply does not see the new
 entries.)
 
-Writes (record / confirm / drop) are one Lua script per call, so a replica's bound and its
+Writes (record / confirm / drop / evict) are one Lua script per call, so a replica's bound and its
 block hashes never disagree, and run as owned background tasks (a turn never waits on them).
 The scripts build block keys from the hashes they are given (one 8-byte-per-hash argument,
 cheap to send), so the index needs a standalone Redis or one cluster slot, not Redis Cluster.
@@ -58,7 +58,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from cache.config import CacheConfig
-from cache.index import IndexStats, Match, horizon
+from cache.index import IndexStats, Match, SyncOp, horizon
 from cache.redis_scripts import FORGET, LOOKUP, WRITE, decode, prefix
 
 log = logging.getLogger("primerl.cache")
@@ -96,6 +96,14 @@ class RedisIndex:
             url,
             socket_timeout=max(budget, config.write_timeout_ms / 1e3),
             socket_connect_timeout=max(budget, 0.05),
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        # KV event writes (``sync``) are awaited off the request path: their own connections, a longer timeout.
+        self._events_redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=config.event_write_timeout_ms / 1e3,
+            socket_connect_timeout=config.event_write_timeout_ms / 1e3,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
@@ -275,26 +283,57 @@ class RedisIndex:
             if hashes:
                 self.stats.write_errors += 1
             return
+        try:
+            await self._write_now(op, replica, hashes, self.cfg.write_timeout_ms / 1e3)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.stats.write_errors += 1
+            self._failed(exc, op)
+
+    async def _write_now(
+        self, op: str, replica: int, hashes: Sequence[int], timeout_s: float, client: aioredis.Redis | None = None
+    ) -> None:
+        """One write script call and this bridge's bookkeeping of it; raises what Redis raised."""
         now = self.clock_ms()
         until = "0" if op == "confirm" else f"{int(now + self.cfg.provisional_ttl_s * 1e3)}"
         args = [*self._state(replica, now), self.cfg.eviction, until, op, _blob(hashes)]
         args.append(repr(horizon(self.cfg.capacity_ratio)))
-        try:
-            async with asyncio.timeout(self.cfg.write_timeout_ms / 1e3):
-                evicted = await self._write(keys=[], args=args)
-            self.stats.round_trips += 1
-            self.stats.evictions += int(evicted)
-        except (RedisError, OSError, TimeoutError) as exc:
-            self.stats.write_errors += 1
-            self._failed(exc, op)
-            return
-        if op != "drop":
+        async with asyncio.timeout(timeout_s):
+            evicted = await self._write(keys=[], args=args, client=client)
+        self.stats.round_trips += 1
+        self.stats.evictions += int(evicted)
+        if op == "evict":
+            for h in hashes:  # this bridge knows the replica no longer holds them
+                item = self._near.get(h)
+                if item is not None:
+                    self._near[h] = (item[0], tuple(x for x in item[1] if x[0] != replica))
+            self._answers.clear()  # a near-cached answer for any chain through these blocks is stale
+        elif op != "drop":
             self._entries_estimate += len(hashes) - int(evicted)
             for h in hashes:  # this bridge knows the replica now holds them
                 item = self._near.get(h)
                 if item is not None:
                     row = (*tuple(x for x in item[1] if x[0] != replica), (replica, float(until)))
                     self._near[h] = (item[0], row)
+
+    async def sync(self, replica: int, op: SyncOp, hashes: Sequence[int] = ()) -> bool:
+        """Awaited with ``event_write_timeout_ms`` and tried twice, whatever the fail-open backoff says: a KV
+        event write is off the request path, and losing one would make the exact index lie."""
+        if op != "forget" and not hashes:
+            return True
+        if op == "confirm":
+            self._invalidate(hashes)
+        timeout_s = self.cfg.event_write_timeout_ms / 1e3
+        for attempt in (1, 2):
+            try:
+                if op == "forget":
+                    await self._forget_now(replica, timeout_s, self._events_redis)
+                else:
+                    await self._write_now(op, replica, list(hashes), timeout_s, self._events_redis)
+                return True
+            except (RedisError, OSError, TimeoutError) as exc:
+                self.stats.write_errors += 1
+                log.warning("prefix index: kv event %s of replica %d failed (%r), try %d", op, replica, exc, attempt)
+        return False
 
     def _invalidate(self, hashes: Sequence[int]) -> None:
         if hashes:
@@ -311,12 +350,19 @@ class RedisIndex:
     async def drop(self, replica: int, hashes: Sequence[int]) -> None:
         self._spawn(self._run_write("drop", replica, list(hashes)), "drop")
 
-    async def forget_replica(self, replica: int) -> None:
+    async def evict(self, replica: int, hashes: Sequence[int]) -> None:
+        self._spawn(self._run_write("evict", replica, list(hashes)), "evict")
+
+    async def _forget_now(self, replica: int, timeout_s: float, client: aioredis.Redis | None = None) -> None:
+        """Drop every entry of ``replica`` (and this bridge's near-caches); raises what Redis raised."""
         self._near.clear()
         self._answers.clear()
+        async with asyncio.timeout(timeout_s):
+            await self._forget(keys=[], args=self._state(replica, self.clock_ms()), client=client)
+
+    async def forget_replica(self, replica: int) -> None:
         try:
-            async with asyncio.timeout(self.cfg.write_timeout_ms / 1e3 * 10):
-                await self._forget(keys=[], args=self._state(replica, self.clock_ms()))
+            await self._forget_now(replica, self.cfg.write_timeout_ms / 1e3 * 10)
         except (RedisError, OSError, TimeoutError) as exc:
             self.stats.write_errors += 1
             self._failed(exc, "forget_replica")
@@ -376,3 +422,4 @@ class RedisIndex:
     async def close(self) -> None:
         await self.flush()
         await self.redis.aclose()
+        await self._events_redis.aclose()

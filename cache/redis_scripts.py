@@ -136,12 +136,12 @@ WRITE = (
     + r"""
 local mode, untl, op, blob, reuse_cap = ARGV[7], tonumber(ARGV[8]), ARGV[9], ARGV[10], tonumber(ARGV[11])
 local n = #blob / 8
-if op == 'drop' then
+if op == 'drop' or op == 'evict' then  -- drop: provisional entries only; evict (the engine said so): any
   for i = 0, n - 1 do
     local member = string.sub(blob, 8 * i + 1, 8 * i + 8)
     local hk, fld = hkey(member)
     local f, hs, cnt = decode(redis.call('HGET', hk, fld))
-    if hs[rep] ~= nil and hs[rep] ~= 0 then
+    if hs[rep] ~= nil and (hs[rep] ~= 0 or op == 'evict') then
       redis.call('ZREM', rkey(member), member)  -- the bucket's bound in the top set stays a lower bound
       hs[rep] = nil
       put(hk, fld, member, f, hs, cnt - 1)

@@ -17,6 +17,8 @@ alphabet (vLLM) hash the string; the salt is opaque to them otherwise.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 _SEP = "|"
@@ -60,3 +62,35 @@ def salt_text(model: str, policy_version: int, tenant: str = "") -> str:
     """``str(CacheSalt(model, policy_version, tenant=tenant))``, memoised: the bridge salts every turn, and the
     (model, version, tenant) combinations in play are few."""
     return str(CacheSalt(model, policy_version, tenant=tenant))
+
+
+class SaltBook:
+    """The salts an engine adapter sent, keyed by the form the engine saw (vLLM gets a digest), so that a
+    KV event naming the engine's salt maps back to the bridge's (``cache/event_index.py``).
+
+    ``wire`` turns a salt into what the engine receives (identity unless the engine restricts its
+    alphabet). ``resolve`` answers a salt the engine reported, or, for an engine whose events carry no
+    salt (SGLang), the salt last sent with that LoRA adapter. Bounded: the oldest of ``capacity`` goes.
+    """
+
+    def __init__(self, wire: Callable[[str], str] = str, capacity: int = 4096) -> None:
+        self.wire = wire
+        self.capacity = capacity
+        self._by_wire: OrderedDict[str, str] = OrderedDict()
+        self._latest: dict[str, str] = {}  # lora -> the salt last sent with it
+
+    def note(self, salt: str) -> str:
+        """Record that ``salt`` was sent; returns its wire form."""
+        wire = self.wire(salt)
+        self._by_wire[wire] = salt
+        self._by_wire.move_to_end(wire)
+        if len(self._by_wire) > self.capacity:
+            self._by_wire.popitem(last=False)
+        parsed = CacheSalt.parse(salt)
+        self._latest[parsed.lora if parsed is not None else ""] = salt
+        return wire
+
+    def resolve(self, wire: str | None, lora: str | None = None) -> str | None:
+        if wire is not None:
+            return self._by_wire.get(wire)
+        return self._latest.get(lora or "")

@@ -55,6 +55,10 @@ class Capability(enum.Enum):
     DRAFT_VERIFY = "draft_verify"  # verifies GenerateRequest.drafter's drafts exactly
     WEIGHT_UPDATES = "weight_updates"  # loads new weights (update_weights)
     SCORE = "score"  # scores given tokens by teacher forcing (``engines.scoring``: ``score(request)``)
+    # Computes a GRPO group's shared prompt once even when its members arrive together; to an engine without it
+    # (vLLM: requests scheduled in one step each prefill the prompt) the bridge sends a group's first member
+    # ahead and the others once its prompt is prefilled (``server.turns``), so they hit its prefix cache.
+    GROUP_PREFILL = "group_prefill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +288,10 @@ class EngineInfo:
     # The checkpoint the engine started from, as ``WeightUpdate.checkpoint_path`` takes it ("" = unknown: the
     # bridge cannot take it back to its base weights).
     base_weights: str = ""
+    # The engine's KV-event publisher (ZMQ, e.g. ``tcp://127.0.0.1:5557``) and its replay endpoint; "" = the
+    # engine publishes none, and the prefix index learns this replica's cache from routed turns.
+    kv_events: str = ""
+    kv_events_replay: str = ""
 
     @property
     def supports_weight_updates(self) -> bool:

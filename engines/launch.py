@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -43,12 +44,34 @@ reports in usage, and no sampling defaults inherited from generation_config.json
 scripts/serve_vllm.sh; a test keeps the two in sync.)"""
 
 
+def kv_events_config(port: int, replay: bool = True) -> str:
+    """``--kv-events-config`` of an engine serving on ``port``: ZMQ events on loopback port + 1 (vLLM binds an
+    endpoint holding ``::``; ``::ffff:127.0.0.1`` is loopback), replay on port + 2 (vLLM only)."""
+    config: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://[::ffff:127.0.0.1]:{port + 1}",
+    }
+    if replay:
+        config["replay_endpoint"] = f"tcp://127.0.0.1:{port + 2}"
+    return json.dumps(config)
+
+
+def registration_url(port: int, replay: bool = True, events_port: int = 0) -> str:
+    """The ``engine.urls`` entry of a replica on this host serving on ``port`` with KV events on ``events_port``
+    (default ``port + 1``, as ``kv_events_config(port)``), its replay socket on the next port."""
+    ev = events_port or port + 1
+    url = f"http://127.0.0.1:{port}#kv-events=tcp://127.0.0.1:{ev}"
+    return url + (f"&kv-events-replay=tcp://127.0.0.1:{ev + 1}" if replay else "")
+
+
 def vllm_command(model_dir: str, port: int, served_name: str = "smollm2") -> list[str]:
-    """A portable ``vllm serve`` command (GPU or CPU) with the RL flags and dev mode for weight reloads."""
+    """A portable ``vllm serve`` command (GPU or CPU) with the RL flags, dev mode for weight reloads, and KV
+    events on loopback (the bridge's exact prefix index follows them)."""
     flags = [part for flag in VLLM_RL_FLAGS for part in flag.split()]
     return [
         "env", "VLLM_SERVER_DEV_MODE=1", "vllm", "serve", model_dir, "--served-model-name", served_name,
-        "--port", str(port), *flags,
+        "--port", str(port), *flags, "--kv-events-config", kv_events_config(port),
     ]  # fmt: skip
 
 
@@ -61,6 +84,7 @@ def sglang_command(model_dir: str, port: int, served_name: str = "smollm2") -> l
     return [
         "python", "-m", "sglang.launch_server", "--model-path", model_dir, "--served-model-name", served_name,
         "--port", str(port), "--enable-metrics", "--enable-cache-report", "--skip-server-warmup",
+        "--kv-events-config", kv_events_config(port, replay=False),
     ]  # fmt: skip
 
 
@@ -95,20 +119,41 @@ class VllmProcess:
     process: subprocess.Popen[bytes]
     url: str
     log_path: Path
+    events_port: int = 0  # KV events' PUB port (replay: the next one); 0 = events off
+
+    @property
+    def registered_url(self) -> str:
+        """``url`` with its KV-event endpoints, as the bridge's ``engine.urls`` takes it."""
+        if not self.events_port:
+            return self.url
+        return registration_url(int(self.url.rsplit(":", 1)[1]), events_port=self.events_port)
 
     @classmethod
-    def start(cls, model_dir: str, log_path: Path, port: int = 0, served_name: str = "smollm2") -> VllmProcess:
+    def start(
+        cls,
+        model_dir: str,
+        log_path: Path,
+        port: int = 0,
+        served_name: str = "smollm2",
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        events_port: int = 0,
+    ) -> VllmProcess:
+        """Start vLLM on ``port`` (a free one by default) with KV events on ``events_port`` (a free one by default;
+        its replay socket on the next port) and ``extra_args`` appended; ``env`` adds variables."""
         port = port or free_port()
+        events_port = events_port or free_port()
         log = log_path.open("wb")
         proc = subprocess.Popen(
-            vllm_cpu_command(model_dir, port, served_name),
+            [*vllm_cpu_command(model_dir, port, served_name), *extra_args],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # setsid: stop() signals the whole group (EngineCore included)
             cwd=REPO,
+            env={**os.environ, **(env or {}), "PRIMERL_VLLM_KV_EVENTS_PORT": str(events_port)},
         )
         log.close()
-        return cls(proc, f"http://127.0.0.1:{port}", log_path)
+        return cls(proc, f"http://127.0.0.1:{port}", log_path, events_port)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -181,6 +226,12 @@ def run_engine_command(args: argparse.Namespace) -> int:
         return 2
     local_vllm = args.engine == "vllm" and args.local
     command = (vllm_cpu_command if local_vllm else COMMANDS[args.engine])(model_dir, args.port, args.served_name)
+    if args.engine in ("vllm", "sglang"):
+        # serve_vllm.sh prints its own (its events port is PORT + 1 too, with replay: the same URL).
+        print(
+            f"# register it with the bridge as --engine-url '{registration_url(args.port, args.engine == 'vllm')}'",
+            file=sys.stderr,
+        )
     if not args.run:
         print(shlex.join(command))
         return 0

@@ -77,6 +77,18 @@ class RouterView(Protocol):
         """(policy, reason, turns routed so far) per routing reason (``placement.routing.Router``)."""
         ...
 
+    def predictions(self) -> Iterable[tuple[str, int]]:
+        """(outcome, turns) of the prefix index's credit vs the engines' reports: exact, over, under."""
+        ...
+
+    def index_source(self, replica: int) -> str:
+        """Where the prefix index learns what a replica holds: kv_events, learned or none."""
+        ...
+
+    def event_counts(self, replica: int) -> Iterable[tuple[str, int]]:
+        """(kind, count so far) of the replica's KV events applied to the index (none without events)."""
+        ...
+
 
 class BridgeView(Protocol):
     """What the scrape-time collector reads from the bridge (``server.bridge.Bridge`` has it)."""
@@ -301,11 +313,16 @@ class BridgeCollector(Collector):
         f.version.add_metric([model], b.policy_version)
         for policy, reason, n in b.router.decisions():  # counted by the policy as it decides: no hot-path cost
             f.routing.add_metric([model, policy, reason], n)
+        for outcome, n in b.router.predictions():
+            f.predictions.add_metric([model, outcome], n)
         for m, engine, source, value in self.metrics.hit_ratios():
             f.hit_ratio.add_metric([m, engine, source], value)
-        for e in b.engines:
+        for r, e in enumerate(b.engines):
             c, info = e.counters, e.info
             labels = [info.engine, info.replica]
+            f.index_source.add_metric([*labels, b.router.index_source(r)], 1.0)
+            for kind, n in b.router.event_counts(r):
+                f.kv_events.add_metric([*labels, kind], n)
             f.prefill.add_metric(labels, c.prefill_tokens)
             f.cached.add_metric(labels, c.cached_tokens)
             f.generated.add_metric(labels, c.generated_tokens)
@@ -398,6 +415,25 @@ class _Families:
             labels=["model", "policy", "reason"],
         )
         self.healthy = GaugeMetricFamily("primerl_engine_healthy", "1 if the last health check passed.", labels=er)
+        self.predictions = CounterMetricFamily(
+            "primerl_routing_predictions",
+            "Turns whose prefix the index credited to the chosen replica, against the engine's cached-token report "
+            "(block granularity; a prompt's last token never counts): exact, over (credited KV it no longer had), "
+            "under.",
+            labels=["model", "outcome"],
+        )
+        self.index_source = GaugeMetricFamily(
+            "primerl_prefix_index_source",
+            "1 for where the prefix index learns what the replica holds: kv_events (the engine's own KV events: "
+            "exact), learned (routed turns and cached-token reports), none (no index).",
+            labels=[*er, "source"],
+        )
+        self.kv_events = CounterMetricFamily(
+            "primerl_kv_events",
+            "The replica's KV events applied to the prefix index: stored and removed blocks, cleared caches, "
+            "resyncs (lost batches), restarts, unmapped blocks (unknown salt or parent), batches, turns.",
+            labels=[*er, "kind"],
+        )
         self.stat = GaugeMetricFamily("primerl_engine_stat", "Other engine-reported values.", labels=[*er, "name"])
 
     def all(self) -> list[Metric]:

@@ -26,6 +26,10 @@
 #   PRIMERL_VLLM_COMPILE   0 (default): --enforce-eager. 1: torch.compile/inductor, ~15-20%
 #                          faster decode, but ~2.5-3 min first start (~60 s once VLLM_CACHE_ROOT
 #                          holds the compiled graphs).
+#   PRIMERL_VLLM_KV_EVENTS 1 (default): publish KV events (blocks stored, evicted, cache reset) over ZMQ on
+#                          loopback, so the bridge's prefix index follows what vLLM really holds; 0: off.
+#   PRIMERL_VLLM_KV_EVENTS_PORT  the events' PUB port (default PORT+1); the replay socket is the next one.
+#                          The script prints the engine URL to register: URL#kv-events=...&kv-events-replay=...
 #   VLLM_CPU_KVCACHE_SPACE KV cache size in GiB (default 2)
 #   VLLM_SERVER_DEV_MODE   1 (default here): /collective_rpc, /reset_prefix_cache, /pause,
 #                          /resume, /sleep, /weight_info, ... Set 0 to disable.
@@ -93,6 +97,19 @@ s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
 s.bind((host, port))
 s.close()
 ' "$HOST" "$PORT" 2>/dev/null || die "cannot bind $HOST:$PORT (port in use?)"
+
+if [[ "${PRIMERL_VLLM_KV_EVENTS:-1}" == 1 ]]; then
+  EV_PORT="${PRIMERL_VLLM_KV_EVENTS_PORT:-$((PORT + 1))}"
+  [[ "$EV_PORT" =~ ^[0-9]+$ ]] && (( EV_PORT > 0 && EV_PORT < 65535 )) || die "invalid PRIMERL_VLLM_KV_EVENTS_PORT: $EV_PORT"
+  # vLLM binds an endpoint that contains '::' or '*' and connects to any other: '::ffff:' is loopback, bound.
+  EV_BIND="tcp://[::ffff:$HOST]:$EV_PORT"
+  [[ "$HOST" == *:* ]] && EV_BIND="tcp://[$HOST]:$EV_PORT"
+  ARGS+=(--kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"$EV_BIND\", \"replay_endpoint\": \"tcp://$HOST:$((EV_PORT + 1))\"}")
+  printf '[serve_vllm] KV events on tcp://%s:%s (replay tcp://%s:%s); register this replica as\n' \
+    "$HOST" "$EV_PORT" "$HOST" "$((EV_PORT + 1))" >&2
+  printf '[serve_vllm]   http://%s:%s#kv-events=tcp://%s:%s&kv-events-replay=tcp://%s:%s\n' \
+    "$HOST" "$PORT" "$HOST" "$EV_PORT" "$HOST" "$((EV_PORT + 1))" >&2
+fi
 
 exec "$PY" -m vllm.entrypoints.openai.api_server \
   --model "$MODEL_DIR" \

@@ -37,6 +37,7 @@ class Replicas:
         """A new replica in rotation; returns its index."""
         self.engines.append(engine)
         self._router.replicas.resize(len(self.engines))
+        self._router.follow_events(len(self.engines) - 1)
         return len(self.engines) - 1
 
     async def withdraw(self, replica: int, state: str, abort: bool) -> None:

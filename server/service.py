@@ -327,6 +327,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                     replicas=[e.info.replica for e in b.engines],
                     eos_token_ids=b.info.eos_token_ids,
                     has_tokenizer=b.tokenizer is not None,
+                    index_sources=[b.router.index_source(r) for r in range(len(b.engines))],
                 )
             ],
             limits=pb.Limits(

@@ -37,7 +37,13 @@ INTEGRATION = "tests/integration/"
 GROUPS = {  # modules that share a session-scoped server: one unit, one worker, one server
     "vllm": tuple(
         f"{INTEGRATION}{m}.py"
-        for m in ("test_engine_vllm", "test_http_dropin", "test_score_tokens_vllm", "test_control_vllm")
+        for m in (
+            "test_engine_vllm",
+            "test_http_dropin",
+            "test_score_tokens_vllm",
+            "test_control_vllm",
+            "test_kv_event_index",
+        )
     ),
 }
 SHARED_FIXTURES = {"vllm_url": "vllm"}  # the session fixture each group exists for

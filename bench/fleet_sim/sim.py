@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from bench.fleet_sim.engine import EngineSpec, Replica, SimRequest
 from bench.fleet_sim.loadboard import MemoryLoadBoard
 from cache.fingerprint import Fingerprinter
-from cache.index import BYTES_PER_ENTRY, IndexStats, Match, MemoryIndex
+from cache.index import BYTES_PER_ENTRY, IndexStats, Match, MemoryIndex, SyncOp
 from placement.routing import CacheAware, Decision, Policy, RouteRequest, RoutingConfig, make_policy
 
 POLICIES = (
@@ -102,10 +102,20 @@ class SharedView:
         self._trip()
         self.index.drop_now(replica, hashes)
 
+    async def evict(self, replica: int, hashes: Sequence[int]) -> None:
+        self._near.clear()
+        self._trip()
+        self.index.drop_now(replica, hashes, evicted=True)
+
     async def forget_replica(self, replica: int) -> None:
         self._near.clear()
         self._trip()
         self.index.forget_replica_now(replica)
+
+    async def sync(self, replica: int, op: SyncOp, hashes: Sequence[int] = ()) -> bool:
+        self._near.clear()
+        self._trip()
+        return await self.index.sync(replica, op, hashes)
 
     async def pin(self, key: str, replica: int, ttl_s: float) -> int:
         self._trip()

@@ -51,7 +51,7 @@ from core.errors import (
     PrimeRLError,
     Unimplemented,
 )
-from core.salt import CacheSalt
+from core.salt import CacheSalt, SaltBook
 from core.types import (
     Capability,
     EngineCounters,
@@ -67,7 +67,7 @@ from core.types import (
 from engines.base import Tokenizer
 from engines.config import RemoteEngineConfig
 from engines.http import edge as http_edge
-from engines.http.edge import redact_url
+from engines.http.edge import redact_url, split_engine_url
 from engines.http.stream import Delta, StreamContext, StreamReader, StreamState
 from engines.http.wire import Wire, counter_values, parse_prometheus
 
@@ -100,8 +100,10 @@ class RemoteEngine:
         replica: str = "",
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.url, kv_events, kv_replay = split_engine_url(url)
         self.config = config
+        # The salts sent, by the form the engine sees (``wire_salt``): KV events name them (cache/event_index.py).
+        self.salts = SaltBook(self.wire_salt)
         self.facts = facts
         shown = redact_url(self.url)
         self.label = f"{self.engine_name} replica {replica or shown} ({shown})"
@@ -139,6 +141,8 @@ class RemoteEngine:
             capabilities=self.declared_capabilities(),
             replica=replica or shown,
             base_weights=facts.model_dir,  # the served checkpoint (the same path on the engine's host)
+            kv_events=kv_events,
+            kv_events_replay=kv_replay,
         )
 
     # -- Engine protocol: properties -------------------------------------------------------
@@ -163,6 +167,10 @@ class RemoteEngine:
         return self._served_name or self._info.model
 
     # -- subclass hooks -----------------------------------------------------------------------
+
+    def wire_salt(self, salt: str) -> str:
+        """The form of ``salt`` the engine receives (and names in its KV events)."""
+        return salt
 
     def declared_capabilities(self) -> frozenset[Capability]:
         """``capabilities``, less what this replica's configuration turns off."""
@@ -371,11 +379,15 @@ class RemoteEngine:
 
     def _salt(self, request: GenerateRequest, version: int) -> str:
         """The request's salt, or the model's at ``version``; a ``CacheSalt`` naming another version than
-        the one that will run (the turn was held behind a weight update) is moved to ``version``."""
+        the one that will run (the turn was held behind a weight update) is moved to ``version``. Noted in
+        ``salts``, so that the replica's KV events map back to the bridge's index keys."""
         if not request.cache_salt:
-            return str(CacheSalt(self._info.model, version))
-        salt = CacheSalt.parse(request.cache_salt)
-        return str(salt.at(version)) if salt is not None else request.cache_salt
+            salt = str(CacheSalt(self._info.model, version))
+        else:
+            parsed = CacheSalt.parse(request.cache_salt)
+            salt = str(parsed.at(version)) if parsed is not None else request.cache_salt
+        self.salts.note(salt)
+        return salt
 
     async def abort(self, request_id: str) -> None:
         state = self._live.get(request_id)

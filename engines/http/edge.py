@@ -60,6 +60,39 @@ def stream_timeout(config: RemoteEngineConfig, request_timeout_s: float) -> http
     )
 
 
+_EVENT_KEYS = {"kv-events", "kv-events-replay"}
+
+
+def split_engine_url(url: str) -> tuple[str, str, str]:
+    """``engine.urls`` entry -> (base URL, KV-event endpoint, its replay endpoint).
+
+    A replica that publishes KV events names them in the URL's fragment:
+    ``http://10.0.0.5:8000#kv-events=tcp://10.0.0.5:5557&kv-events-replay=tcp://10.0.0.5:5558``
+    (the fragment never reaches the engine). Without one, both endpoints are "".
+    """
+    base, _, fragment = url.partition("#")
+    base = base.rstrip("/")
+    if not fragment:
+        return base, "", ""
+    try:
+        pairs = urllib.parse.parse_qsl(fragment, keep_blank_values=True, strict_parsing=True)
+    except ValueError as exc:
+        raise InvalidArgument(f"engine URL {redact_url(base)!r}: unreadable fragment {fragment!r} ({exc})") from exc
+    found = dict(pairs)
+    unknown = sorted(set(found) - _EVENT_KEYS)
+    if unknown or len(found) != len(pairs):
+        raise InvalidArgument(
+            f"engine URL {redact_url(base)!r}: its fragment may name kv-events= and kv-events-replay= once each, "
+            f"got {', '.join(k for k, _ in pairs)}"
+        )
+    for key, value in found.items():
+        if not value.startswith(("tcp://", "ipc://")):
+            raise InvalidArgument(f"engine URL {redact_url(base)!r}: {key}={value!r} must be a tcp:// or ipc:// URL")
+    if "kv-events-replay" in found and "kv-events" not in found:
+        raise InvalidArgument(f"engine URL {redact_url(base)!r}: kv-events-replay= needs kv-events=")
+    return base, found.get("kv-events", ""), found.get("kv-events-replay", "")
+
+
 def redact_url(url: str) -> str:
     """``url`` without userinfo, query and fragment: safe for labels, errors and logs."""
     try:

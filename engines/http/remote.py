@@ -19,6 +19,7 @@ from core.types import ModelFacts
 from engines.base import Tokenizer
 from engines.config import EngineConfig, RemoteEngineConfig
 from engines.http.base import RemoteEngine, redact_url
+from engines.http.edge import split_engine_url
 
 log = logging.getLogger("primerl.engines")
 
@@ -86,6 +87,7 @@ async def make_remote_engines(config: EngineConfig) -> list[RemoteEngine]:
     for url in config.urls:
         if not url.startswith(("http://", "https://")):
             raise InvalidArgument(f"engine URL {redact_url(url)!r} must start with http:// or https://")
+        split_engine_url(url)  # a malformed KV-events fragment fails here, naming the replica
     source = section.tokenizer_dir or config.model or None
     try:
         model_dir = await asyncio.to_thread(resolve_model_dir, source)

@@ -218,6 +218,9 @@ class VllmEngine(OpenAICompletionsEngine):
             out[j] = w.logprob(w.obj(entry, f"{where}[{request.token_ids[i]}]").get("logprob"), f"{where}.logprob")
         return ScoreResult(out, version)
 
+    def wire_salt(self, salt: str) -> str:
+        return vllm_salt(salt)
+
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
         p = request.params
         return {
@@ -228,7 +231,7 @@ class VllmEngine(OpenAICompletionsEngine):
             "logprobs": 0,  # 0 = the sampled token's logprob only
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
-            "cache_salt": vllm_salt(salt),
+            "cache_salt": self.wire_salt(salt),
             "request_id": request.request_id,
         }
 

@@ -141,7 +141,9 @@ async def test_a_bridge_whose_index_fails_keeps_an_episode_on_its_current_replic
 
 async def test_bounds_and_eviction_match_the_memory_backend(redis_server: PrivateRedis) -> None:
     now = [5000.0]
-    cfg = CacheConfig(block_size=BS, default_capacity_blocks=6, write_timeout_ms=2000, near_cache_ttl_s=0)
+    cfg = CacheConfig(  # lookups compared, not timed: the default 2 ms budget fails open on a loaded machine
+        block_size=BS, default_capacity_blocks=6, lookup_budget_ms=500, write_timeout_ms=2000, near_cache_ttl_s=0
+    )
     red = RedisIndex(redis_server.url, cfg, clock_ms=lambda: now[0] * 1e3)
     mem = MemoryIndex(BS, capacity=6, clock=lambda: now[0])
     ops = [(0, [1, 2, 3]), (0, [1, 2, 3]), (0, [7, 8, 9]), (0, [1, 2, 4]), (0, [20, 21, 22]), (0, [1, 2, 3])]
@@ -268,6 +270,7 @@ async def test_redis_killed_mid_run_fails_open_then_recovers(redis_server: Priva
     toks = list(range(40))
     try:
         d = await p.choose(req("a", toks, first=True))
+        p.replicas.unreserve("a")  # its turn ran and ended (begin took the reservation, end the load)
         await p.observe(d, 0)
         await idx.flush()
         assert (await p.choose(req("b", toks, first=True))).reason == "cache"
@@ -341,3 +344,44 @@ async def test_load_board_shares_in_flight_load_and_fails_open(
     redis_server.kill()  # Redis gone: each bridge routes on its own load only
     await ba.sync_once()
     assert pa.replicas.remote == [0, 0, 0] and ba.errors == 1
+
+
+async def test_kv_event_writes_outwait_a_stalled_redis_and_a_lost_one_drops_the_replica(
+    redis_server: PrivateRedis,
+) -> None:
+    """A routing write gives up after write_timeout_ms (fail open); a KV event write must not be lost that way:
+    it waits out a stall the routing write gave up on. One that still fails leaves the replica's entries
+    untrusted: they are dropped when Redis answers again."""
+    from redis.asyncio import Redis
+
+    from cache.event_index import EventIndexer
+    from cache.kv_events import Batch, Removed, Stored
+    from core.salt import SaltBook
+
+    cfg = CFG.model_copy(update={"write_timeout_ms": 50, "event_write_timeout_ms": 300})
+    idx, admin = RedisIndex(redis_server.url, cfg), Redis.from_url(redis_server.url)
+    book = SaltBook()
+    book.note(SALT)
+    ix = EventIndexer(0, idx, FP, book)
+    first, second = list(range(100, 108)), list(range(200, 208))
+    try:
+        await admin.execute_command("CLIENT", "PAUSE", 200, "ALL")  # Redis stalls for 200 ms
+        await idx.confirm(1, FP.hashes(second, SALT))  # a routing write: gives up after 50 ms
+        await ix.apply(Batch(0, 0.0, (Stored((1, 2), None, first, BS, None, SALT),)))  # waits
+        await idx.flush()
+        assert idx.stats.write_errors == 1 and ix.counts["write_failures"] == 0
+        await asyncio.sleep(cfg.backoff_s)
+        assert (await idx.lookup(FP.hashes(first, SALT))).blocks == {0: 2}
+
+        await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")  # longer than both tries of an event write
+        await ix.apply(Batch(1, 0.0, (Removed((2,)),)))
+        assert ix.counts["write_failures"] == 1 and ix.counts["removed"] == 1  # one event, tried twice
+        await asyncio.sleep(0.5)  # the removal may be lost: what the index credits replica 0 is unknown
+        await ix.apply(Batch(2, 0.0, ()))  # Redis answers again: the replica's entries go, then events resume
+        assert ix.counts["recoveries"] == 1 and ix.blocks == {}
+        assert (await idx.lookup(FP.hashes(first, SALT))).blocks == {}
+        await ix.apply(Batch(3, 0.0, (Stored((1,), None, first[:BS], BS, None, SALT),)))
+        assert (await idx.lookup(FP.hashes(first, SALT))).blocks == {0: 1}
+    finally:
+        await admin.aclose()
+        await idx.close()

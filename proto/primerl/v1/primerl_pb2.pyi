@@ -980,6 +980,7 @@ class ModelInfo(_message.Message):
     REPLICAS_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     HAS_TOKENIZER_FIELD_NUMBER: _builtins.int
+    INDEX_SOURCES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     engine: _builtins.str
     vocab_size: _builtins.int
@@ -994,6 +995,13 @@ class ModelInfo(_message.Message):
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end a turn."""
 
+    @_builtins.property
+    def index_sources(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Per replica, in the order of `replicas`: what the prefix index knows of its cache from. "kv_events": the
+        engine's own KV events (exact); "learned": routed turns and the engine's cached-token reports; "none": no
+        index (one replica, or cache.enabled = false).
+        """
+
     def __init__(
         self,
         *,
@@ -1006,10 +1014,11 @@ class ModelInfo(_message.Message):
         replicas: _abc.Iterable[_builtins.str] | None = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         has_tokenizer: _builtins.bool = ...,
+        index_sources: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "eos_token_ids", b"eos_token_ids", "has_tokenizer", b"has_tokenizer", "max_model_len", b"max_model_len", "name", b"name", "policy_version", b"policy_version", "replicas", b"replicas", "supports_weight_updates", b"supports_weight_updates", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "eos_token_ids", b"eos_token_ids", "has_tokenizer", b"has_tokenizer", "index_sources", b"index_sources", "max_model_len", b"max_model_len", "name", b"name", "policy_version", b"policy_version", "replicas", b"replicas", "supports_weight_updates", b"supports_weight_updates", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
