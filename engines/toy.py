@@ -66,7 +66,9 @@ tool call result query error done yes
 
 SEED_CACHE = 4096  # seeds whose SeedSequence is kept (a Generator from one costs a third of default_rng(seed))
 TOY_BASE_WEIGHTS = "toy:base"  # the toy's own name for its initial tables (EngineInfo.base_weights)
-CAPABILITIES = frozenset({Capability.RAW_LOGPROBS, Capability.KEPT_MASS, Capability.MIN_P, Capability.DRAFT_VERIFY})
+CAPABILITIES = frozenset(
+    {Capability.RAW_LOGPROBS, Capability.KEPT_MASS, Capability.MIN_P, Capability.DRAFT_VERIFY, Capability.GROUP_PREFILL}
+)  # GROUP_PREFILL: it has no KV to share, so nothing gains from holding a group's members back
 
 
 class ToyTokenizer:

@@ -7,7 +7,10 @@ Invariants:
 - tokens are appended as they stream, with logprob, origin and the policy version of the weights
   that produced them;
 - the engine's report (cached tokens, the blocks it now holds) confirms or drops what routing
-  recorded, once the turn is closed.
+  recorded, once the turn is closed;
+- a GRPO group's first turns on an engine without ``Capability.GROUP_PREFILL``: the first member to arrive
+  goes ahead, the others wait until its first token (its prompt is then in the engine's prefix cache), so
+  the shared prompt is prefilled once, not once per member scheduled in the same engine step.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Turns:
         self.speculation = speculation
         self.max_tokens_per_episode = max_tokens_per_episode
         self.live: dict[str, Engine] = {}  # request id -> the engine running it (turns streaming now)
+        self._prefills: dict[tuple[str, int], asyncio.Event] = {}  # (group, replica) -> set: its prompt is prefilled
 
     def open(
         self,
@@ -129,16 +133,21 @@ class Turns:
         matched = route[0].matched_tokens if route is not None else 0
         load = len(request.token_ids) - matched + params.max_tokens  # in-flight work: uncached prefill + decode
         replica = episode.replica
-        self.router.begin(replica, load)
+        wait_for, lead = self._group_gate(episode, turn, engine)
+        self.router.begin(replica, load, episode.id)
         self.live[request.request_id] = engine
         last: TokenChunk | None = None
         stream = engine.generate(request)
         try:
             async with asyncio.timeout_at(deadline):
+                if wait_for is not None:
+                    await wait_for.wait()
                 async for chunk in stream:
                     last = chunk
                     origins = chunk.origins_or_sampled()
                     if chunk.token_ids:
+                        if lead is not None:
+                            lead.set()
                         if turn.ttft_ms == 0.0:
                             turn.ttft_ms = (time.perf_counter() - turn.started) * 1e3
                         episode.append(
@@ -170,6 +179,9 @@ class Turns:
                 "tokens are kept in the episode"
             ) from None
         finally:
+            if lead is not None:
+                lead.set()
+                self._prefills.pop((episode.routing_group, replica), None)
             self.router.end(replica, load)
             del self.live[request.request_id]
             if request.constraint is not None:  # (again on the normal path: the merge is idempotent)
@@ -180,6 +192,21 @@ class Turns:
             await stream.aclose()
             if route is not None and self.router.index is not None:
                 await asyncio.shield(self._report(episode, turn, route))
+
+    def _group_gate(
+        self, episode: Episode, turn: Turn, engine: Engine
+    ) -> tuple[asyncio.Event | None, asyncio.Event | None]:
+        """A GRPO group's prefill gate on ``engine`` for this turn (see module docstring): (the gate to wait for,
+        None) for a member behind the first; (None, the gate to open at the first token) for the first one;
+        (None, None) when no gate applies."""
+        if turn.index or not episode.shares_prompt or Capability.GROUP_PREFILL in engine.info.capabilities:
+            return None, None
+        key = (episode.routing_group, episode.replica)
+        gate = self._prefills.get(key)
+        if gate is not None:
+            return gate, None
+        gate = self._prefills[key] = asyncio.Event()
+        return None, gate
 
     async def _report(self, episode: Episode, turn: Turn, route: Any) -> None:
         """Tell the routing index what the engine now holds, and count what routing predicted."""

@@ -2,7 +2,8 @@
 
 A policy has one required method, ``choose(RouteRequest) -> Decision``, and a ``name`` (a
 metric label); ``PolicyBase`` gives the defaults of the rest: ``observe`` (the engine's
-cached-token count once the turn ended: confirms or drops what routing wrote to the index),
+cached-token count once the turn ended: confirms or drops what routing wrote to the index; with
+``learned=False`` the replica's KV events keep its entries and a turn that ran confirms nothing),
 ``release`` (an episode or GRPO group ended), ``replica_reset`` (a replica lost its KV).
 Health and load are read from the ``ReplicaSet`` the policy is given, never kept by it.
 
@@ -48,6 +49,7 @@ class Decision:
     matched_tokens: int = 0  # prefix tokens the index credits to ``replica``
     reason: str = "load"
     hashes: tuple[int, ...] = ()
+    prompt_tokens: int = 0  # the turn's prompt (history) length
 
 
 @dataclass(slots=True)
@@ -56,6 +58,9 @@ class RoutingStats:
     predicted_tokens: int = 0  # index-credited prefix tokens of reported turns
     reported_cached_tokens: int = 0  # what engines reported for them
     stale_routes: int = 0  # turns whose credited prefix the engine did not have
+    # Per reported turn, the credited prefix against what the engine reported cached, at block granularity (the
+    # credit capped as engines cap a hit: a prompt's last token is always computed): exact | over | under.
+    predictions: dict[str, int] = field(default_factory=dict)
 
 
 class Policy(Protocol):
@@ -66,7 +71,12 @@ class Policy(Protocol):
     async def choose(self, req: RouteRequest) -> Decision: ...
 
     async def observe(
-        self, decision: Decision, cached_tokens: int, ok: bool = True, held_hashes: Sequence[int] | None = None
+        self,
+        decision: Decision,
+        cached_tokens: int,
+        ok: bool = True,
+        held_hashes: Sequence[int] | None = None,
+        learned: bool = True,
     ) -> None: ...
 
     async def release(self, episode_id: str = "", group_id: str = "") -> None: ...
@@ -83,12 +93,19 @@ class PolicyBase:
         self.replicas = replicas if isinstance(replicas, ReplicaSet) else ReplicaSet(replicas)
         self.stats = RoutingStats()
 
-    def _decide(self, replica: int, reason: str, matched: int = 0, hashes: Sequence[int] = ()) -> Decision:
+    def _decide(
+        self, replica: int, reason: str, matched: int = 0, hashes: Sequence[int] = (), prompt_tokens: int = 0
+    ) -> Decision:
         self.stats.decisions[reason] = self.stats.decisions.get(reason, 0) + 1
-        return Decision(replica, matched, reason, tuple(hashes))
+        return Decision(replica, matched, reason, tuple(hashes), prompt_tokens)
 
     async def observe(
-        self, decision: Decision, cached_tokens: int, ok: bool = True, held_hashes: Sequence[int] | None = None
+        self,
+        decision: Decision,
+        cached_tokens: int,
+        ok: bool = True,
+        held_hashes: Sequence[int] | None = None,
+        learned: bool = True,
     ) -> None:
         return None
 

@@ -65,6 +65,9 @@ class CacheAware(PolicyBase):
 
         return min(cands, key=cost)
 
+    def _reserve(self, req: RouteRequest, r: int, match: Match) -> None:
+        self.replicas.reserve(req.episode_id, r, req.est_tokens - match.tokens(r, self.fp.block_size))
+
     async def _pinned(self, key: str, local: dict[str, int], first: bool, current: int | None = None) -> int | None:
         # The shared pin wins (another bridge may have moved the episode); this bridge's own pin is
         # the fallback when the index has none. When the index cannot answer (it failed open), the
@@ -82,8 +85,6 @@ class CacheAware(PolicyBase):
     async def choose(self, req: RouteRequest) -> Decision:
         hashes = list(req.hashes) if req.hashes is not None else self.fp.hashes(req.token_ids, req.salt)
         match = await self.index.lookup(hashes)
-        load = self.replicas.view()
-        hot = self._hot(load)
         reason: str
         # Pins are salted like the hashes: after a weight update no pin (made because a replica
         # held the episode's KV under older weights) steers a turn.
@@ -96,6 +97,8 @@ class CacheAware(PolicyBase):
         else:
             # 2. A continuing episode stays where its KV is, unless that replica is hot.
             p = await self._pinned(ekey, self._episodes, req.first_turn, req.current)
+            load = self.replicas.view()  # read after the last await: decisions made meanwhile are counted in it
+            hot = self._hot(load)
             if p is not None and p not in hot:
                 r, reason = p, "sticky"
             else:
@@ -110,6 +113,9 @@ class CacheAware(PolicyBase):
                     reason = "fail_open"
                 else:
                     reason = "cache" if match.blocks.get(r, 0) else "load"
+            # Counted before the next await: a burst of first turns sharing a header would otherwise all see the
+            # same loads and the header's provisional entry, and all choose one replica.
+            self._reserve(req, r, match)
             if gkey:
                 won = await self.index.pin(gkey, r, self.pin_ttl_s)
                 if not self.replicas.ok(won):  # pinned to a replica that is down: the group moves
@@ -117,6 +123,7 @@ class CacheAware(PolicyBase):
                     won = await self.index.pin(gkey, r, self.pin_ttl_s)
                 r = won if self.replicas.ok(won) else r
                 self._groups[gkey] = r
+                self._reserve(req, r, match)
         if self._episodes.get(ekey) != r:
             if not req.first_turn:
                 await self.index.unpin(ekey)  # shed, or its replica is down: the episode moves
@@ -130,10 +137,15 @@ class CacheAware(PolicyBase):
             self._keys[req.group_id] = gkey
         await self.index.record(r, hashes)
         matched = match.blocks.get(r, 0) * self.fp.block_size if match.ok else 0
-        return self._decide(r, reason, matched, hashes)
+        return self._decide(r, reason, matched, hashes, req.n_prompt)
 
     async def observe(
-        self, decision: Decision, cached_tokens: int, ok: bool = True, held_hashes: Sequence[int] | None = None
+        self,
+        decision: Decision,
+        cached_tokens: int,
+        ok: bool = True,
+        held_hashes: Sequence[int] | None = None,
+        learned: bool = True,
     ) -> None:
         bs = self.fp.block_size
         if ok:
@@ -141,7 +153,15 @@ class CacheAware(PolicyBase):
             self.stats.reported_cached_tokens += min(cached_tokens, decision.matched_tokens)
             if decision.matched_tokens > cached_tokens + bs:
                 self.stats.stale_routes += 1
-            await self.index.confirm(decision.replica, held_hashes if held_hashes is not None else decision.hashes)
+            cacheable = max(0, decision.prompt_tokens - 1) // bs * bs
+            credit, got = min(decision.matched_tokens, cacheable), cached_tokens // bs * bs
+            outcome = "exact" if credit == got else "over" if credit > got else "under"
+            self.stats.predictions[outcome] = self.stats.predictions.get(outcome, 0) + 1
+            if learned:
+                await self.index.confirm(decision.replica, held_hashes if held_hashes is not None else decision.hashes)
+            # Else the replica's KV events confirm what it stored and evict what it drops, provisional entries
+            # included; an event may arrive after the turn ends (vLLM publishes from its engine process), so
+            # routing's provisional entries stay until then (or expire after cache.provisional_ttl_s).
         else:
             await self.index.drop(decision.replica, decision.hashes[cached_tokens // bs :])
 

@@ -14,6 +14,11 @@ an index, which runs sticky; that is logged once here and each such decision is 
 reason ``fallback_sticky``. Pins live ``cache.affinity_ttl_s``. With ``routing.plan_file`` the
 placement plan's per-replica KV capacity sizes the index.
 
+A replica whose engine publishes KV events (``EngineInfo.kv_events``) has its entries kept by an
+``EventIndexer`` (``cache/event_index.py``): stored blocks confirmed, evicted ones removed, a reset or
+restart dropping them all; routing still writes provisional entries for the turns in flight (an
+event confirms or evicts them; one nothing confirms expires after ``cache.provisional_ttl_s``).
+
 Invariants: hashes are over the exact ids sent to the engine and salted per tenant, model and policy
 version (``core.salt.CacheSalt``), so after a weight update no turn is routed on KV of older
 weights; an episode's chain is only ever extended (histories are append-only), so a turn hashes its
@@ -29,8 +34,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from cache import CacheConfig, Fingerprinter, PrefixIndex, make_index
+from cache.event_index import EventIndexer
+from cache.kv_events import EventReader
 from core.errors import InvalidArgument, PrimeRLError
-from core.salt import CacheSalt
+from core.salt import CacheSalt, SaltBook
 from core.types import FinishReason, Usage
 from engines.base import Engine
 from placement.routing.base import Decision, RouteRequest
@@ -81,6 +88,11 @@ class Router:
             kv = plan_kv_capacities(routing.plan_file, engines) if routing.plan_file else [0] * len(engines)
             for r, tokens in enumerate(kv):
                 self.index.set_capacity(r, cache.capacity_for(tokens))
+        # Replicas that publish KV events: their entries follow the events (exact), the rest are learned.
+        self.events: dict[int, EventIndexer] = {}
+        self._started = False
+        for r in range(len(engines)):
+            self.follow_events(r)
         self.policy = make_policy(routing, self.replicas, self.index, self.fingerprinter, cache.affinity_ttl_s)
         self.configured_policy = routing.policy
         if routing.policy == "cache_aware" and self.index is None:
@@ -101,16 +113,51 @@ class Router:
         self._chains: dict[str, tuple[str, list[int]]] = {}  # episode id -> (salt, block hashes so far)
         self._group_open: dict[str, int] = {}  # group key -> open members (to release the group's pin)
 
+    def follow_events(self, replica: int) -> None:
+        """Keep ``replica``'s index entries from its engine's KV events, if it publishes them (at start-up, and for
+        a replica the fleet adds later: ``server.replicas.Replicas.add``)."""
+        info = self.engines[replica].info
+        if self.index is None or not info.kv_events or replica in self.events:
+            return
+        salts = getattr(self.engines[replica], "salts", None)  # the HTTP adapters' SaltBook: the salts each sent
+        reader = EventReader(info.kv_events, info.kv_events_replay)
+        indexer = EventIndexer(replica, self.index, self.fingerprinter, salts or SaltBook(), reader, info.replica)
+        self.events[replica] = indexer
+        if self._started:
+            indexer.start()
+
     def start(self) -> None:
-        """Start background work (the shared load board of a Redis index)."""
+        """Start background work (the shared load board of a Redis index, the KV-event readers)."""
+        self._started = True
         if self._board is not None:
             self._board.start()
+        for indexer in self.events.values():
+            indexer.start()
 
     async def close(self) -> None:
+        for indexer in self.events.values():
+            await indexer.stop()
         if self._board is not None:
             await self._board.stop()
         if self.index is not None:
             await self.index.close()
+
+    def index_source(self, replica: int) -> str:
+        """Where the index learns what ``replica`` holds: kv_events (exact), learned (routed turns and the
+        engine's cached-token reports), or none (no index: one replica, or cache.enabled = false)."""
+        if self.index is None:
+            return "none"
+        indexer = self.events.get(replica)
+        return indexer.source if indexer is not None else "learned"
+
+    def event_counts(self, replica: int) -> list[tuple[str, int]]:
+        """(kind, count) of ``replica``'s KV events applied to the index (``EventIndexer.counts``)."""
+        indexer = self.events.get(replica)
+        return sorted(indexer.counts.items()) if indexer is not None else []
+
+    def predictions(self) -> list[tuple[str, int]]:
+        """(outcome, turns) of the index's credit against the engines' cached-token reports: exact | over | under."""
+        return sorted(self.policy.stats.predictions.items())
 
     def decisions(self) -> list[tuple[str, str, int]]:
         """(policy, reason, turns so far) for every reason routing used: read at scrape time."""
@@ -128,7 +175,14 @@ class Router:
 
     async def place(self, request: RouteRequest) -> int:
         """The replica for a new episode (or GRPO group): its first turn is routed with its prompt."""
-        return (await self.policy.choose(request)).replica
+        decision = await self.policy.choose(request)
+        self._reserve(request, decision)
+        return decision.replica
+
+    def _reserve(self, request: RouteRequest, decision: Decision) -> None:
+        """The decided turn's work counts on its replica from now until its engine call begins (``begin``)."""
+        load = request.est_tokens - decision.matched_tokens
+        self.replicas.reserve(request.episode_id, decision.replica, load)
 
     def opened(self, group_key: str, members: int = 1) -> None:
         """``members`` more open episodes of a group (started here or loaded from another bridge)."""
@@ -145,11 +199,12 @@ class Router:
         salt = str(salt)
         history = [*episode.token_ids, *observation]
         hashes = self._hashes(episode.id, history, salt) if self.index is not None else None
-        decision = await self.policy.choose(
-            RouteRequest(
-                episode.id, group, history, salt, len(history) + est_new, hashes=hashes, current=episode.replica
-            )
+        request = RouteRequest(
+            episode.id, group, history, salt, len(history) + est_new, hashes=hashes, current=episode.replica
         )
+        self.replicas.unreserve(episode.id)  # its placement's reservation: this decision replaces it, not weighs it
+        decision = await self.policy.choose(request)
+        self._reserve(request, decision)
         self.routes[episode.id] = (decision, salt)
         old = episode.replica
         if decision.replica != old:
@@ -171,8 +226,9 @@ class Router:
         route = self.routes.get(episode.id)
         return route if route is not None and route[0].replica == episode.replica else None
 
-    def begin(self, replica: int, load: int) -> None:
-        self.replicas.begin(replica, load)
+    def begin(self, replica: int, load: int, episode_id: str = "") -> None:
+        """A turn's engine call begins: ``load`` in-flight tokens replace the episode's routing reservation."""
+        self.replicas.begin(replica, load, episode_id)
 
     def end(self, replica: int, load: int) -> None:
         self.replicas.end(replica, load)
@@ -185,13 +241,18 @@ class Router:
             return 0
         ok = turn.finish_reason != FinishReason.ABORT or turn.end > turn.generation_start
         held = self._hashes(episode.id, episode.token_ids, salt) if ok else None
-        await self.policy.observe(decision, turn.usage.cached_tokens, ok=ok, held_hashes=held)
+        indexer = self.events.get(decision.replica)
+        if indexer is not None:
+            indexer.turn_served()
+        learned = indexer is None or indexer.silent
+        await self.policy.observe(decision, turn.usage.cached_tokens, ok=ok, held_hashes=held, learned=learned)
         return decision.matched_tokens
 
     async def forget(self, episode_id: str, group_key: str) -> None:
         """Drop an ended episode's routing state (and its group's, with its last member)."""
         self.routes.pop(episode_id, None)
         self._chains.pop(episode_id, None)
+        self.replicas.unreserve(episode_id)
         await self.policy.release(episode_id=episode_id)
         left = self._group_open.get(group_key, 1) - 1
         if left > 0:

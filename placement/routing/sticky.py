@@ -52,5 +52,7 @@ class StickyFallback(StickyEpisode):
         super().__init__(replicas, group_colocate)
         self.name = instead_of  # the configured policy stays the metric label; the reason says what ran
 
-    def _decide(self, replica: int, reason: str, matched: int = 0, hashes: Sequence[int] = ()) -> Decision:
-        return super()._decide(replica, "fallback_sticky", matched, hashes)
+    def _decide(
+        self, replica: int, reason: str, matched: int = 0, hashes: Sequence[int] = (), prompt_tokens: int = 0
+    ) -> Decision:
+        return super()._decide(replica, "fallback_sticky", matched, hashes, prompt_tokens)

@@ -127,6 +127,21 @@ async def test_episode_script_through_the_bridge(standin) -> None:  # type: igno
         assert bridge.bridge.engines[0].counters.requests == 3
 
 
+async def test_a_group_sends_one_member_ahead_until_its_first_token(standin) -> None:  # type: ignore[no-untyped-def]
+    """SGLang does not declare GROUP_PREFILL: of a group's members stepping at once, the bridge sends one, and
+    the others together once its first token is back (its prompt is then in the engine's prefix cache)."""
+    sg, server, toy = standin
+    sg.faults.first_byte_delay_s = 0.4  # the leader's prefill
+    async with bridge_over([adapter(server.url, toy)]) as (_, client):
+        started = await client.start_episode(list(PROMPT), sampling={"max_tokens": 3, "seed": 1}, group_size=4)
+        await asyncio.gather(*(client.step(ep) for ep in started.episode_ids))
+        second = await client.step(started.episode_ids[0], [7, 8])  # later turns are never held back
+    first, *members = sg.arrivals[:4]
+    assert all(t - first >= 0.4 for t in members), [round(t - first, 3) for t in sg.arrivals]
+    assert max(members) - min(members) < 0.4, [round(t - first, 3) for t in sg.arrivals]  # together, not in turn
+    assert len(sg.arrivals) == 5 and second.token_ids.size == 3
+
+
 async def test_abort_posts_abort_request_and_ends_with_abort(standin) -> None:  # type: ignore[no-untyped-def]
     sg, server, toy = standin
     toy.config = toy.config.model_copy(update={"token_delay_s": 0.01, "yield_every": 1})
@@ -281,10 +296,10 @@ async def test_keep_alive_comments_cannot_extend_a_turn_past_request_timeout(sta
 async def test_replica_label_and_errors_never_show_url_credentials_or_query() -> None:
     toy = ToyEngine(ToyConfig())
     facts = ModelFacts("toy", toy.info.vocab_size, toy.info.eos_token_ids, toy.info.max_model_len)
-    url = "http://trainer:s3cret@127.0.0.1:9/sglang?api_key=k3y#frag"
+    url = "http://trainer:s3cret@127.0.0.1:9/sglang?api_key=k3y#kv-events=tcp://127.0.0.1:19"
     eng = SglangEngine(url, SglangConfig(connect_retries=0), facts, model="toy")  # no replica name: the URL is it
     for text in (eng.label, eng.info.replica):
-        assert "s3cret" not in text and "k3y" not in text and "trainer" not in text and "frag" not in text
+        assert "s3cret" not in text and "k3y" not in text and "trainer" not in text and "kv-events" not in text
     assert eng.label == "sglang replica http://127.0.0.1:9/sglang (http://127.0.0.1:9/sglang)"
     with pytest.raises(EngineUnavailable) as err:
         await collect(eng, request())

@@ -95,6 +95,26 @@ async def test_three_turn_episode_hits_the_prefix_cache(vllm_url: str) -> None:
 
 @pytest.mark.engine
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_a_group_prefills_its_prompt_once(vllm_url: str) -> None:
+    """Six members of a GRPO group step at once: the bridge sends the first ahead and the others at its first
+    token, so vLLM prefills the shared prompt once and every other member finds it cached (without that, members
+    scheduled in the same vLLM step each compute the whole prompt: it happens under load, not always on an idle
+    machine, so the order itself is asserted deterministically on the SGLang stand-in, test_engine_sglang.py)."""
+    engine = await vllm_engine(vllm_url)
+    prompt = [(i * 37) % 30000 + 500 for i in range(300)]  # unique to this test: nothing of it is cached yet
+    async with bridge_over([engine]) as (_, client):
+        started = await client.start_episode(prompt, sampling={"max_tokens": 4, "seed": 3}, group_size=6)
+        turns = await asyncio.gather(*(client.step(ep) for ep in started.episode_ids))
+        for ep in started.episode_ids:
+            await client.end_episode(ep)
+    cached = sorted(t.usage.cached_tokens for t in turns)
+    block = 32  # serve_vllm.sh's --block-size: a hit is whole blocks, and never holds the last prompt token
+    assert cached == [0] + [(len(prompt) - 1) // block * block] * 5, cached
+
+
+@pytest.mark.engine
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 async def test_logprobs_agree_with_teacher_forcing(vllm_url: str, model_dir: Path) -> None:
     import torch

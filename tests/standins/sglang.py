@@ -144,6 +144,8 @@ class SglangStandin:
     running: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     """Every /generate body received (tests inspect what the adapter sent)."""
+    arrivals: list[float] = field(default_factory=list)
+    """``time.monotonic()`` when each of ``requests`` arrived."""
     received: list[GenerateRequest] = field(default_factory=list)
     """Every request handed to the backing engine (with the ``cache_salt`` the wire carried)."""
     weight_updates: list[dict[str, Any]] = field(default_factory=list)
@@ -246,6 +248,7 @@ class SglangStandin:
         if not isinstance(body, dict):
             return error_json("request body must be a JSON object")
         self.requests.append(body)
+        self.arrivals.append(time.monotonic())
         try:
             for key in body:
                 if key not in TOP_LEVEL_KEYS:

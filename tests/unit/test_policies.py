@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 from cache import Fingerprinter, MemoryIndex
@@ -10,6 +11,7 @@ from placement.routing import (
     CacheAware,
     ConsistentHash,
     LeastLoaded,
+    ReplicaSet,
     RouteRequest,
     RoutingConfig,
     StickyEpisode,
@@ -66,10 +68,39 @@ async def test_cache_aware_follows_the_longest_cached_prefix() -> None:
     history = list(range(64))
     d1 = await p.choose(req("a", history, first=True))
     assert d1.reason == "load" and d1.matched_tokens == 0
+    p.replicas.unreserve("a")  # its turn ran and ended (begin took the reservation, end the load)
     await p.observe(d1, cached_tokens=0)
     # Another episode with the same long prefix is credited on that replica.
     d2 = await p.choose(req("b", [*history, 1, 2, 3, 4], first=True))
     assert d2.replica == d1.replica and d2.reason == "cache" and d2.matched_tokens == 64
+
+
+async def test_a_burst_of_first_turns_sharing_a_header_spreads_over_the_replicas() -> None:
+    """Eight episodes start at once (no turn has begun yet), sharing a 64-token header: each decision counts on
+    its replica at once (``ReplicaSet.reserve``), so the next one weighs the header against that work instead of
+    every episode following the header to one replica, where their sessions would evict each other's KV."""
+    p = cache_aware(n=2)
+    header = list(range(1000, 1064))
+    bursts = [req(f"s{i}", [*header, *range(i * 100, i * 100 + 64)], first=True) for i in range(8)]
+    decisions = await asyncio.gather(*(p.choose(r) for r in bursts))
+    assert Counter(d.replica for d in decisions) == {0: 4, 1: 4}, decisions
+    reserved = [r.est_tokens - d.matched_tokens for r, d in zip(bursts, decisions, strict=True)]
+    assert sum(p.replicas.load) == sum(reserved)
+    # Each turn's engine call begins: its load replaces its reservation; what never begins lapses.
+    p.replicas.begin(decisions[0].replica, 50, "s0")
+    p.replicas.unreserve("s1")
+    assert sum(p.replicas.load) == sum(reserved[2:]) + 50
+
+
+async def test_reservations_lapse() -> None:
+    now = [0.0]
+    p = CacheAware(ReplicaSet(2, clock=lambda: now[0]), MemoryIndex(BS, capacity=100), FP)
+    d = await p.choose(req("gone", list(range(16)), first=True))
+    assert p.replicas.load[d.replica] == 32
+    now[0] = ReplicaSet.RESERVE_TTL_S + 1  # its client never stepped
+    await p.choose(req("next", list(range(100, 104)), first=True))
+    assert p.replicas.load[d.replica] in (0, 20)  # "gone" lapsed; "next" (20 tokens) may sit on the same replica
+    assert sum(p.replicas.load) == 20
 
 
 async def test_cache_aware_weighs_prefix_against_load_and_sheds_hot_replicas() -> None:
@@ -150,12 +181,36 @@ async def test_engine_reports_confirm_or_drop_and_count_stale_routes() -> None:
     d = await p.choose(req("a", toks, first=True))
     await p.observe(d, cached_tokens=0, ok=False)  # failed before prefill
     assert idx.lookup_now(d.hashes).blocks == {}
+    for eid in "ab":
+        p.replicas.unreserve(eid)  # turns that ran and ended: no load left
     d = await p.choose(req("b", toks, first=True))
     await p.observe(d, 0)
+    p.replicas.unreserve("b")
     d2 = await p.choose(req("c", toks, first=True))
     assert d2.matched_tokens == 16
     await p.observe(d2, cached_tokens=0)  # the engine had evicted it
     assert p.stats.stale_routes == 1 and p.stats.predicted_tokens == 16 and p.stats.reported_cached_tokens == 0
+    # Credited against reported, capped as engines cap a hit (a 16-token prompt: at most 12 cached at block 4).
+    assert p.stats.predictions == {"exact": 1, "over": 1}  # b: 0 credited, 0 cached; c: 12 credited, 0 cached
+    p.replicas.unreserve("c")
+    d3 = await p.choose(req("d", toks, first=True))
+    await p.observe(d3, cached_tokens=12)
+    p.replicas.unreserve("d")
+    d4 = await p.choose(req("e", [*toks, 99, 98, 97, 96], first=True))
+    await p.observe(d4, cached_tokens=d4.matched_tokens + BS)  # the engine held a block the index did not know
+    assert p.stats.predictions == {"exact": 2, "over": 1, "under": 1}
+
+
+async def test_an_event_fed_replica_confirms_nothing_from_reports() -> None:
+    clock = [0.0]
+    idx = MemoryIndex(BS, provisional_ttl_s=30, clock=lambda: clock[0])
+    p = CacheAware(2, idx, FP)
+    d = await p.choose(req("a", list(range(16)), first=True))
+    idx.confirm_now(d.replica, d.hashes[:2])  # the engine's events: the first two blocks stored (so far)
+    await p.observe(d, 16, learned=False)
+    assert idx.lookup_now(d.hashes).blocks == {d.replica: 4}  # the rest still provisional: events may follow
+    clock[0] = 31.0
+    assert idx.lookup_now(d.hashes).blocks == {d.replica: 2}  # no event confirmed them: expired, not confirmed
 
 
 async def test_unhealthy_replicas_get_no_turns_and_pins_move_off_them() -> None:
