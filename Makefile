@@ -85,7 +85,9 @@ demo-ppo: setup
 # leg of the dev-loop test (tests/integration/test_quickstart.py): a regression fails that test naming the figure.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
-test: setup check-proto lint vllm-env verifiers-env
+# Lint and the two engine/client virtualenvs (network- and disk-bound on a fresh machine) run side by side.
+test: setup check-proto
+	@$(MAKE) --no-print-directory -j3 --output-sync=target lint vllm-env verifiers-env
 	PRIMERL_TEST_DURATIONS=bench/out/test_durations.json $(PYTEST) --durations=25
 	$(PY) scripts/suite_durations.py --top 10 --modules 10
 
