@@ -59,6 +59,9 @@ class Capability(enum.Enum):
     # (vLLM: requests scheduled in one step each prefill the prompt) the bridge sends a group's first member
     # ahead and the others once its prompt is prefilled (``server.turns``), so they hit its prefix cache.
     GROUP_PREFILL = "group_prefill"
+    # Loads weights from a safetensors directory the bridge can read too: an update's checkpoint is checked against
+    # ``EngineInfo.base_weights`` (``engines.checkpoint``) before any bridge pauses (the prepare phase).
+    LOCAL_CHECKPOINTS = "local_checkpoints"
 
 
 @dataclass(frozen=True, slots=True)

@@ -481,8 +481,10 @@ class Bridge:
     async def update_weights(
         self, checkpoint_path: str, policy_version: int, keep_kv: bool, model: str = "", mode: str = "keep"
     ) -> int:
-        """Load new weights; in a fleet, as one fleet operation (``server.fleet.member``)."""
+        """Check the checkpoint (``Weights.prepare``), then load it; in a fleet, as one fleet operation
+        (``server.fleet.member``), paused only after the check passed."""
         self._check_model(model)
+        await self.weights.prepare(checkpoint_path)
         if self.fleet is None:
             return await self.weights.update(checkpoint_path, policy_version, keep_kv)
         return await self.fleet.update_weights(

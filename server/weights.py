@@ -2,6 +2,8 @@
 
 Invariants:
 - versions only move forward: one update at a time, each strictly greater than the current version;
+- a checkpoint is checked before anything pauses (``prepare``: files complete, the served model's tensors, shapes
+  and dtypes, a content digest) where the engine loads it from a filesystem the bridge shares;
 - replicas never serve mixed versions: a replica whose update failed leaves rotation until an update
   reaches it (``mark``; the health check keeps it out while it is behind), and the error says which
   replicas were updated. A failed replica does not stop the update of the others.
@@ -10,12 +12,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from core.types import WeightUpdate
+from core.types import Capability, WeightUpdate
 from engines.base import Engine
+from engines.checkpoint import Manifest, check_compatible, read_manifest
 from server.errors import EngineError, InvalidArgument, Unimplemented
+
+log = logging.getLogger(__name__)
 
 MAX_POLICY_VERSION = 2**63 - 1
 
@@ -35,6 +42,7 @@ class Weights:
         self._updated = updated
         self.removed: set[int] = set()  # replicas removed from the fleet (server.replicas): never updated
         self._lock = asyncio.Lock()
+        self._served: dict[str, Manifest | None] = {}  # base checkpoint -> its manifest (None: not readable here)
 
     @property
     def version(self) -> int:
@@ -49,6 +57,43 @@ class Weights:
             raise InvalidArgument(f"policy_version must be at most {MAX_POLICY_VERSION} (int64), got {version}")
         if version <= current:
             raise InvalidArgument(f"policy_version {version} must be greater than the current version {current}")
+
+    async def prepare(self, checkpoint_path: str) -> Manifest | None:
+        """The prepare phase, before anything pauses: read the checkpoint's manifest and digest and check it against
+        the served model's; InvalidArgument names the file or tensor at fault. None where the engine loads
+        checkpoints from a filesystem the bridge cannot check (``Capability.LOCAL_CHECKPOINTS``)."""
+        info = self.engines[0].info
+        if not info.supports_weight_updates:
+            raise Unimplemented(f"engine {info.engine!r} cannot load new weights at run time")
+        if Capability.LOCAL_CHECKPOINTS not in info.capabilities:
+            return None
+        began = time.perf_counter()
+        manifest = await asyncio.to_thread(self._prepare, checkpoint_path, info.base_weights)
+        log.info(
+            "checkpoint %s checked in %.2f s: %d tensors, %.1f MB, %s",
+            manifest.path, time.perf_counter() - began, len(manifest.tensors), manifest.nbytes / 1e6, manifest.digest,
+        )  # fmt: skip
+        return manifest
+
+    def _prepare(self, path: str, base: str) -> Manifest:
+        new = read_manifest(path, digest=True)
+        if base not in self._served:
+            self._served[base] = self._served_manifest(base)
+        served = self._served[base]
+        if served is not None:
+            check_compatible(new, served)
+        return new
+
+    @staticmethod
+    def _served_manifest(base: str) -> Manifest | None:
+        try:
+            if base and Path(base).is_dir():
+                return read_manifest(base)
+            reason = "not a directory here"
+        except InvalidArgument as exc:
+            reason = exc.message
+        log.warning("served checkpoint %r unreadable (%s): updates are checked for completeness only", base, reason)
+        return None
 
     async def update(self, checkpoint_path: str, policy_version: int, keep_kv: bool) -> int:
         """Load a checkpoint on every replica; returns the new version (``policy_version`` or current + 1)."""

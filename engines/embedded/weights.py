@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.errors import InvalidArgument
+from engines.checkpoint import read_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -22,14 +23,9 @@ def read_checkpoint(model: PreTrainedModel, path: str) -> dict[str, torch.Tensor
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise InvalidArgument(f"checkpoint_path {path!r} is not a directory")
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise InvalidArgument(f"checkpoint_path {path!r} has no *.safetensors files")
+    root = Path(read_manifest(path).path)  # a directory of complete safetensors files (engines.checkpoint)
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in sorted(root.glob("*.safetensors")):
         try:
             state.update(load_file(str(f)))
         except (SafetensorError, OSError) as exc:

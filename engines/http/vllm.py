@@ -176,13 +176,25 @@ class VllmEngine(OpenAICompletionsEngine):
     kv_usage_series: ClassVar[str] = "vllm:kv_cache_usage_perc"
     generate_path: ClassVar[str] = "/v1/completions"
     capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {Capability.MIN_P, Capability.WEIGHT_UPDATES, Capability.DRAFT_VERIFY, Capability.SCORE}
+        {
+            Capability.MIN_P,
+            Capability.WEIGHT_UPDATES,
+            Capability.DRAFT_VERIFY,
+            Capability.SCORE,
+            Capability.LOCAL_CHECKPOINTS,
+        }
     )
     config: VllmConfig
 
     def declared_capabilities(self) -> frozenset[Capability]:
-        """Drafts are verified (greedy turns) only with ``vllm.verify_drafts``."""
-        return self.capabilities if self.config.verify_drafts else self.capabilities - {Capability.DRAFT_VERIFY}
+        """Drafts are verified (greedy turns) only with ``vllm.verify_drafts``; checkpoints are checked on the
+        bridge's filesystem only with ``vllm.validate_weight_dir``."""
+        off = set()
+        if not self.config.verify_drafts:
+            off.add(Capability.DRAFT_VERIFY)
+        if not self.config.validate_weight_dir:
+            off.add(Capability.LOCAL_CHECKPOINTS)
+        return self.capabilities - off
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
         """Teacher-forced logprobs through prompt logprobs (module docstring, "Scoring")."""

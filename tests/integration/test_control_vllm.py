@@ -7,20 +7,28 @@ across reloads. Bridge B runs a turn (its prompt's KV cached under version 0), `
 A (vLLM reloads once), then B runs a turn on the same prompt: vLLM's ``vllm:prefix_cache_hits_total`` does not move
 (B salted with version 1, which it adopted), every new token carries version 1; the same prompt once more does hit
 (the counter can move), under version 1.
+
+Before that update, two corrupt checkpoints through bridge A (issue 36, acceptance 1, the first fault): a truncated
+``model.safetensors`` and one with a tensor of the wrong shape both fail with INVALID_ARGUMENT naming the file or
+tensor, before any pause (the fleet registry's update stamp does not move: no fleet update began) and with nothing
+changed (B's next turn is still version 0, and vLLM never saw them: it would have died on the truncated file).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
 
 from rl_client import AsyncBridgeClient
+from rl_client.errors import InvalidArgumentError
 from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env
 from tests.integration.redis_proc import PrivateRedis
 from tests.integration.test_engine_vllm import perturbed_checkpoint
@@ -66,6 +74,32 @@ async def _hits(url: str) -> float:
     raise AssertionError("vLLM exports no vllm:prefix_cache_hits_total")
 
 
+def _corrupt_copies(ckpt: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """``ckpt`` with its weights file cut short (as read while still being written), and with one tensor one element
+    short (a trainer's model that is not the served one)."""
+    from safetensors.torch import load_file, save_file
+
+    truncated, misshapen = tmp_path / "truncated", tmp_path / "misshapen"
+    shutil.copytree(ckpt, truncated)
+    with (truncated / "model.safetensors").open("r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+    shutil.copytree(ckpt, misshapen)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+    save_file(tensors, str(misshapen / "model.safetensors"), metadata={"format": "pt"})
+    return truncated, misshapen
+
+
+async def _update_stamps(redis_url: str) -> dict[bytes, object]:
+    """The fleet registry's per-model stamps (each fleet update's begin moves its model's)."""
+    redis = Redis.from_url(redis_url)
+    try:
+        keys = [k async for k in redis.scan_iter(match="*:stamp")]
+        return {k: await redis.get(k) for k in keys}
+    finally:
+        await redis.aclose()
+
+
 async def _turn(client: AsyncBridgeClient) -> tuple[list[int], list[int]]:
     ep = (await client.start_episode(PROMPT, sampling=GREEDY)).episode_id
     await client.step(ep)
@@ -75,14 +109,24 @@ async def _turn(client: AsyncBridgeClient) -> tuple[list[int], list[int]]:
 
 
 async def test_after_an_update_through_a_bridge_b_reuses_no_pre_update_kv(
-    fleet: tuple[FleetBridgeProcess, ...], vllm: tuple[str, Path], tmp_path: Path
+    fleet: tuple[FleetBridgeProcess, ...], vllm: tuple[str, Path], tmp_path: Path, redis_server: PrivateRedis
 ) -> None:
     a, b = fleet
     url, model_dir = vllm
     _, versions = await _turn(b.client)
     assert set(versions) == {0}
     ckpt = await asyncio.to_thread(perturbed_checkpoint, model_dir, tmp_path / "perturbed")
+    truncated, misshapen = await asyncio.to_thread(_corrupt_copies, ckpt, tmp_path)
+    stamps = await _update_stamps(redis_server.url)
+    with pytest.raises(InvalidArgumentError, match=r"model\.safetensors is not a complete safetensors file"):
+        await a.client.update_weights(str(truncated))
+    with pytest.raises(InvalidArgumentError, match=r"tensor model\.norm\.weight has shape \[575\]"):
+        await a.client.update_weights(str(misshapen))
+    assert await _update_stamps(redis_server.url) == stamps  # no fleet update began: nothing paused
+    _, versions = await _turn(b.client)
+    assert set(versions) == {0}
     assert await a.client.update_weights(str(ckpt)) == 1
+    assert await _update_stamps(redis_server.url) != stamps  # (the stamp does move when an update begins)
 
     before = await _hits(url)
     _, versions = await _turn(b.client)  # the first post-update turn, through the other bridge

@@ -367,6 +367,11 @@ async def test_update_weights_changes_outputs_and_versions(tmp_path: Path, refer
         _perturbed_checkpoint(reference, tmp_path, 0.5)
         with pytest.raises(InvalidArgumentError, match="is not a directory"):
             await client.update_weights(str(tmp_path / "missing"))
+        cut = tmp_path / "cut"  # the checkpoint as read while still being written: refused, version unchanged
+        cut.mkdir()
+        (cut / "model.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes()[:1_000_000])
+        with pytest.raises(InvalidArgumentError, match=r"model\.safetensors is not a complete safetensors file"):
+            await client.update_weights(str(cut))
         assert await client.update_weights(str(tmp_path)) == 1
         prefill = engine.counters.prefill_tokens
         after = await client.step(ep, [engine.tokenizer.encode("\n")[0]])

@@ -1,0 +1,133 @@
+"""A weight checkpoint's manifest, read from its safetensors headers without loading a tensor.
+
+The prepare phase of a weight update (``server.weights``) reads the new checkpoint's manifest and checks it
+against the served model's before any bridge pauses: every file complete (the safetensors library checks that
+the header's offsets cover the file), every tensor of the served model present with the same shape and a
+compatible dtype, no tensor the model lacks, the shards of a ``model.safetensors.index.json`` all there. A bad
+checkpoint is an INVALID_ARGUMENT naming the file or the tensor, and nothing paused or changed.
+
+The manifest also carries a content digest (xxh3-128 over the files' bytes in name order), so an update's record
+says exactly which weights were loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.errors import InvalidArgument
+
+INDEX_FILE = "model.safetensors.index.json"
+# An engine casts floating-point weights to its serving dtype on load (a trainer's float32 into a bfloat16 model);
+# any other dtype change (an integer tensor, a quantized layout) is a different model.
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+# A checkpoint may carry ``lm_head.weight`` for a model that ties it to the embeddings (grpo.policy writes the copy:
+# vLLM's in-place reload keeps a tied lm_head at its old values otherwise).
+TIED_HEAD, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A checkpoint directory's tensors (name -> (shape, safetensors dtype)), total bytes and digest."""
+
+    path: str
+    tensors: dict[str, tuple[tuple[int, ...], str]] = field(repr=False)
+    nbytes: int
+    digest: str = ""  # "xxh3-128:<hex>" over the files' bytes in name order; "" when not computed
+
+
+def read_manifest(path: str, digest: bool = False) -> Manifest:
+    """Read the manifest of the checkpoint directory ``path``; InvalidArgument names what is wrong with it."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path:
+        raise InvalidArgument("checkpoint_path is empty: name a directory of *.safetensors files")
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise InvalidArgument(f"checkpoint_path {path!r} is not a directory")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise InvalidArgument(f"checkpoint_path {path!r} has no *.safetensors files")
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    where: dict[str, str] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), "np") as st:
+                names = list(st.keys())  # (a safe_open handle is no mapping)
+                for name in names:
+                    piece = st.get_slice(name)
+                    if name in tensors:
+                        raise InvalidArgument(f"checkpoint {path!r}: {name} is in both {where[name]} and {f.name}")
+                    tensors[name], where[name] = (tuple(piece.get_shape()), piece.get_dtype()), f.name
+        except SafetensorError as exc:  # a truncated file: "incomplete metadata, file not fully covered"
+            raise InvalidArgument(
+                f"checkpoint {path!r}: {f.name} is not a complete safetensors file ({exc}); was it still being written?"
+            ) from None
+        except OSError as exc:
+            raise InvalidArgument(f"checkpoint {path!r}: cannot read {f.name}: {exc}") from None
+    _check_index(root, path, where)
+    return Manifest(str(root), tensors, sum(f.stat().st_size for f in files), _digest(files) if digest else "")
+
+
+def _check_index(root: Path, path: str, where: dict[str, str]) -> None:
+    """A sharded checkpoint's index must name shards that are there, each holding the tensors it lists."""
+    index = root / INDEX_FILE
+    if not index.is_file():
+        return
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidArgument(f"checkpoint {path!r}: {INDEX_FILE} is unreadable ({exc})") from None
+    for shard in sorted(set(weight_map.values()) - set(where.values())):
+        raise InvalidArgument(f"checkpoint {path!r}: {INDEX_FILE} names {shard}, which is missing")
+    for name, shard in weight_map.items():
+        if where.get(name) != shard:
+            raise InvalidArgument(f"checkpoint {path!r}: {INDEX_FILE} puts {name} in {shard}, which does not hold it")
+
+
+def _digest(files: list[Path]) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                h.update(chunk)
+    return f"xxh3-128:{h.hexdigest()}"
+
+
+def check_compatible(new: Manifest, served: Manifest) -> None:
+    """Raise InvalidArgument unless ``new`` can replace ``served`` in place: the same tensor names (a copy of
+    tied embeddings as ``lm_head.weight`` allowed), the same shapes, dtypes equal or both floating point."""
+    extra = [n for n in new.tensors if n not in served.tensors and not _tied_copy(n, new, served)]
+    missing = [n for n in served.tensors if n not in new.tensors]
+    if missing or extra:
+        raise InvalidArgument(
+            f"checkpoint {new.path!r} does not match the served model ({served.path}): {len(missing)} tensors "
+            f"missing (e.g. {missing[:3]}), {len(extra)} it does not have (e.g. {extra[:3]})"
+        )
+    for name, (shape, dtype) in new.tensors.items():
+        want_shape, want_dtype = served.tensors.get(name) or served.tensors[EMBEDDINGS]
+        if shape != want_shape:
+            raise InvalidArgument(
+                f"checkpoint {new.path!r}: tensor {name} has shape {list(shape)}, the served model's is "
+                f"{list(want_shape)} ({_numel(shape):,} vs {_numel(want_shape):,} elements)"
+            )
+        if dtype != want_dtype and not (dtype in FLOAT_DTYPES and want_dtype in FLOAT_DTYPES):
+            raise InvalidArgument(
+                f"checkpoint {new.path!r}: tensor {name} is {dtype}, the served model's is {want_dtype}"
+            )
+
+
+def _tied_copy(name: str, new: Manifest, served: Manifest) -> bool:
+    return name == TIED_HEAD and EMBEDDINGS in served.tensors and new.tensors.get(EMBEDDINGS) is not None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)

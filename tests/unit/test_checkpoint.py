@@ -1,0 +1,119 @@
+"""engines.checkpoint: a checkpoint's manifest from its safetensors headers, and the prepare-phase check against the
+served model (issue 36: a corrupt checkpoint fails before any pause)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from core.errors import InvalidArgument
+from engines.checkpoint import Manifest, check_compatible, read_manifest
+
+SERVED: dict[str, np.ndarray] = {
+    "model.embed_tokens.weight": np.zeros((10, 4), np.float32),
+    "model.norm.weight": np.ones((4,), np.float32),
+    "model.step": np.zeros((1,), np.int64),
+}
+
+
+def write(path: Path, tensors: dict[str, np.ndarray], name: str = "model.safetensors") -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / name))
+    return path
+
+
+def manifest(path: Path, tensors: dict[str, np.ndarray]) -> Manifest:
+    return read_manifest(str(write(path, tensors)), digest=True)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Manifest:
+    return manifest(tmp_path / "served", SERVED)
+
+
+def test_the_manifest_lists_every_tensor_and_the_digest_follows_the_bytes(tmp_path: Path, served: Manifest) -> None:
+    assert served.tensors == {
+        "model.embed_tokens.weight": ((10, 4), "F32"),
+        "model.norm.weight": ((4,), "F32"),
+        "model.step": ((1,), "I64"),
+    }
+    assert served.nbytes == (tmp_path / "served" / "model.safetensors").stat().st_size
+    assert served.digest.startswith("xxh3-128:") and read_manifest(served.path).digest == ""
+    same = manifest(tmp_path / "same", SERVED)
+    changed = manifest(tmp_path / "changed", {**SERVED, "model.norm.weight": np.full((4,), 2, np.float32)})
+    assert same.digest == served.digest and changed.digest != served.digest
+    check_compatible(changed, served)
+
+
+def test_a_truncated_file_is_refused_naming_it(tmp_path: Path) -> None:
+    root = write(tmp_path / "new", SERVED)
+    data = (root / "model.safetensors").read_bytes()
+    (root / "model.safetensors").write_bytes(data[: len(data) - 7])
+    with pytest.raises(InvalidArgument, match=r"model\.safetensors is not a complete safetensors file"):
+        read_manifest(str(root))
+    (root / "model.safetensors").write_bytes(data[:5])  # not even a header
+    with pytest.raises(InvalidArgument, match="not a complete safetensors file"):
+        read_manifest(str(root))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model.norm.weight": np.ones((5,), np.float32)}, r"model\.norm\.weight has shape \[5\].* is \[4\]"),
+        ({"model.step": np.zeros((1,), np.float32)}, r"model\.step is F32, the served model's is I64"),
+        ({"model.extra": np.ones((2,), np.float32)}, r"0 tensors missing .*1 it does not have .*model\.extra"),
+        ({"lm_head.weight": np.zeros((10, 3), np.float32)}, r"lm_head\.weight has shape \[10, 3\]"),
+    ],
+)
+def test_a_checkpoint_that_is_not_the_served_model_is_refused_naming_the_tensor(
+    tmp_path: Path, served: Manifest, change: dict[str, np.ndarray], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        check_compatible(manifest(tmp_path / "new", {**SERVED, **change}), served)
+
+
+def test_missing_tensors_are_refused_and_float_precision_and_a_tied_head_copy_are_not(
+    tmp_path: Path, served: Manifest
+) -> None:
+    partial = {k: v for k, v in SERVED.items() if k != "model.norm.weight"}
+    with pytest.raises(InvalidArgument, match=r"1 tensors missing \(e\.g\. \['model\.norm\.weight'\]\)"):
+        check_compatible(manifest(tmp_path / "partial", partial), served)
+    half = {**SERVED, "model.norm.weight": np.ones((4,), np.float16)}  # the engine casts floats on load
+    head = {**SERVED, "lm_head.weight": np.zeros((10, 4), np.float32)}  # grpo.policy's copy of tied embeddings
+    check_compatible(manifest(tmp_path / "half", half), served)
+    check_compatible(manifest(tmp_path / "head", head), served)
+
+
+def test_a_sharded_checkpoint_needs_every_shard_its_index_names(tmp_path: Path) -> None:
+    embeddings = {"model.embed_tokens.weight": SERVED["model.embed_tokens.weight"]}
+    root = write(tmp_path / "sharded", embeddings, "a.safetensors")
+    write(root, {"model.norm.weight": SERVED["model.norm.weight"]}, "b.safetensors")
+    weight_map = {"model.embed_tokens.weight": "a.safetensors", "model.norm.weight": "b.safetensors"}
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert set(read_manifest(str(root)).tensors) == set(weight_map)
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {**weight_map, "x": "c.safetensors"}}))
+    with pytest.raises(InvalidArgument, match=r"names c\.safetensors, which is missing"):
+        read_manifest(str(root))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {**weight_map, "x": "a.safetensors"}}))
+    with pytest.raises(InvalidArgument, match=r"puts x in a\.safetensors, which does not hold it"):
+        read_manifest(str(root))
+    (root / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(InvalidArgument, match="unreadable"):
+        read_manifest(str(root))
+    (root / "model.safetensors.index.json").unlink()
+    write(root, {"model.norm.weight": SERVED["model.norm.weight"]}, "c.safetensors")
+    with pytest.raises(InvalidArgument, match=r"model\.norm\.weight is in both b\.safetensors and c\.safetensors"):
+        read_manifest(str(root))
+
+
+def test_a_path_that_is_no_checkpoint_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="checkpoint_path is empty"):
+        read_manifest("")
+    with pytest.raises(InvalidArgument, match="is not a directory"):
+        read_manifest(str(tmp_path / "missing"))
+    with pytest.raises(InvalidArgument, match=r"has no \*\.safetensors files"):
+        read_manifest(str(tmp_path))
