@@ -2,8 +2,10 @@
 
 - A GRPO group is pinned to one replica, shared through the index so every bridge agrees.
 - A continuing episode stays on its pinned replica unless that replica is *hot*.
-- Otherwise the replica minimising ``load_r + prefill_weight x (prompt_tokens - cached_prefix_r)``
-  wins, among replicas that are not hot. Hot = ``load_r - min_load > balance_abs_tokens`` and
+- Otherwise, among replicas that are not hot: the one with the longest cached prefix when that prefix is over
+  ``cache_threshold`` of the prompt (SGLang's rule: a shared system prompt stays on one replica instead of being
+  prefilled on each), else the one minimising ``load_r + prefill_weight x (prompt_tokens - cached_prefix_r)``
+  (a burst of agents sharing a short header spreads). Hot = ``load_r - min_load > balance_abs_tokens`` and
   ``load_r > balance_rel x (min_load + 1)`` (SGLang's imbalance test, per replica), so a hot
   replica sheds new episodes but keeps the turns whose KV it holds while it is not hot.
 - When the index fails open (Redis down or slow) the same formula runs with no cached
@@ -63,6 +65,10 @@ class CacheAware(PolicyBase):
             uncached = max(0, req.n_prompt - match.tokens(r, bs))
             return (load[r] + req.est_tokens + w * uncached, load[r], (r + off) % n)
 
+        cached = {r: match.tokens(r, bs) for r in cands}
+        top = max(cached.values())
+        if top and top > self.cfg.cache_threshold * req.n_prompt:
+            return min((r for r in cands if cached[r] == top), key=cost)
         return min(cands, key=cost)
 
     def _reserve(self, req: RouteRequest, r: int, match: Match) -> None:

@@ -23,6 +23,14 @@ class RoutingConfig(BaseModel):
     prefill_weight: float = Field(
         1.0, ge=0, le=100, description="Cost of one uncached prompt token relative to one in-flight token."
     )
+    cache_threshold: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="A new episode whose prompt is cached beyond this share on a replica that is not hot goes to the "
+        "replica with the longest cached prefix, whatever the loads (SGLang's cache_threshold; 1 = always weigh load "
+        "against uncached tokens).",
+    )
     balance_abs_tokens: int = Field(
         16384, ge=0, description="A replica is hot only if its load exceeds the least-loaded one's by this many tokens."
     )

@@ -104,20 +104,33 @@ async def test_reservations_lapse() -> None:
 
 
 async def test_cache_aware_weighs_prefix_against_load_and_sheds_hot_replicas() -> None:
-    p = cache_aware(balance_abs_tokens=100, balance_rel=1.5)
     prefix = list(range(40))
-    d1 = await p.choose(req("a", prefix, first=True))
-    # Loaded but not hot: the 40 cached tokens are worth less than 60 tokens of extra queue.
-    p.replicas.begin(d1.replica, 60)
-    d2 = await p.choose(req("b", [*prefix, 7, 7, 7, 7], first=True))
-    assert d2.replica != d1.replica and d2.reason == "load"
-    # Now hot (load - min > 100 and > 1.5 x min): new episodes avoid it ...
+    for threshold, reason in ((1.0, "load"), (0.5, "cache")):
+        p = cache_aware(balance_abs_tokens=100, balance_rel=1.5, cache_threshold=threshold)
+        d1 = await p.choose(req("a", prefix, first=True))
+        p.replicas.begin(d1.replica, 60, "a")  # its turn runs: loaded (60 tokens) but not hot
+        d2 = await p.choose(req("b", [*prefix, 7, 7, 7, 7], first=True))
+        # Weighed (cache_threshold 1): the 40 cached tokens are worth less than 60 tokens of extra queue. Past the
+        # threshold (40 of 44 cached > 0.5, SGLang's rule) the cached replica wins while it is not hot.
+        assert (d2.replica == d1.replica) == (reason == "cache") and d2.reason == reason, (threshold, d2)
+    # Now hot (load - min > 100 and > 1.5 x min): new episodes avoid it, however much of their prompt it holds ...
     p.replicas.begin(d1.replica, 1000)
     d3 = await p.choose(req("c", prefix, first=True))
     assert d3.replica != d1.replica
     # ... and its own episode is moved off only because moving is cheaper than queueing there.
     d4 = await p.choose(req("a", [*prefix, 9, 9, 9, 9]))
     assert d4.reason == "shed" and d4.replica != d1.replica
+
+
+async def test_a_shared_system_prompt_stays_on_one_replica_while_a_short_header_spreads() -> None:
+    """Requests arriving together over one long system prompt (224 of 248 tokens shared) all go where it is
+    cached, while that replica is not hot, instead of prefilling it on every replica; agents sharing a header
+    of half their prompt spread (the burst test above)."""
+    p = cache_aware(n=2)
+    system = list(range(2000, 2224))
+    decisions = [await p.choose(req(f"u{i}", [*system, *range(i * 100, i * 100 + 24)], first=True)) for i in range(6)]
+    assert {d.replica for d in decisions} == {decisions[0].replica}, decisions
+    assert [d.reason for d in decisions[1:]] == ["cache"] * 5
 
 
 async def test_sticky_turns_stay_while_the_replica_is_not_hot() -> None:
