@@ -6,8 +6,8 @@ the header's offsets cover the file), every tensor of the served model present w
 compatible dtype, no tensor the model lacks, the shards of a ``model.safetensors.index.json`` all there. A bad
 checkpoint is an INVALID_ARGUMENT naming the file or the tensor, and nothing paused or changed.
 
-The manifest also carries a content digest (xxh3-128 over the files' bytes in name order), so an update's record
-says exactly which weights were loaded.
+The manifest also carries a content digest (xxh3-128 over the files' bytes in name order), logged with the update,
+so the log says exactly which weights were loaded.
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ def _check_index(root: Path, path: str, where: dict[str, str]) -> None:
             raise TypeError("weight_map is not an object")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InvalidArgument(f"checkpoint {path!r}: {INDEX_FILE} is unreadable ({exc})") from None
-    for shard in sorted(set(weight_map.values()) - set(where.values())):
-        raise InvalidArgument(f"checkpoint {path!r}: {INDEX_FILE} names {shard}, which is missing")
+    absent = sorted(set(weight_map.values()) - set(where.values()))
+    if absent:
+        raise InvalidArgument(f"checkpoint {path!r}: {INDEX_FILE} names {', '.join(absent)}, which is missing")
     for name, shard in weight_map.items():
         if where.get(name) != shard:
             raise InvalidArgument(f"checkpoint {path!r}: {INDEX_FILE} puts {name} in {shard}, which does not hold it")
