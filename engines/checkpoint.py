@@ -22,7 +22,7 @@ from core.errors import InvalidArgument
 INDEX_FILE = "model.safetensors.index.json"
 # An engine casts floating-point weights to its serving dtype on load (a trainer's float32 into a bfloat16 model);
 # any other dtype change (an integer tensor, a quantized layout) is a different model.
-FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 # A checkpoint may carry ``lm_head.weight`` for a model that ties it to the embeddings (grpo.policy writes the copy:
 # vLLM's in-place reload keeps a tied lm_head at its old values otherwise).
 TIED_HEAD, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
@@ -46,9 +46,12 @@ def read_manifest(path: str, digest: bool = False) -> Manifest:
     if not path:
         raise InvalidArgument("checkpoint_path is empty: name a directory of *.safetensors files")
     root = Path(path).expanduser()
-    if not root.is_dir():
-        raise InvalidArgument(f"checkpoint_path {path!r} is not a directory")
-    files = sorted(root.glob("*.safetensors"))
+    try:
+        if not root.is_dir():
+            raise InvalidArgument(f"checkpoint_path {path!r} is not a directory")
+        files = sorted(root.glob("*.safetensors"))
+    except OSError as exc:  # e.g. a parent directory the bridge may not search (PermissionError)
+        raise InvalidArgument(f"checkpoint_path {path!r} is not readable: {exc}") from None
     if not files:
         raise InvalidArgument(f"checkpoint_path {path!r} has no *.safetensors files")
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -79,8 +82,8 @@ def _check_index(root: Path, path: str, where: dict[str, str]) -> None:
         return
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map is not an object of tensor name -> file name")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InvalidArgument(f"checkpoint {path!r}: {INDEX_FILE} is unreadable ({exc})") from None
     absent = sorted(set(weight_map.values()) - set(where.values()))

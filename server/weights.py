@@ -92,6 +92,8 @@ class Weights:
             reason = "not a directory here"
         except InvalidArgument as exc:
             reason = exc.message
+        except OSError as exc:  # e.g. a parent directory the bridge may not search
+            reason = str(exc)
         log.warning("served checkpoint %r unreadable (%s): updates are checked for completeness only", base, reason)
         return None
 

@@ -57,7 +57,7 @@ class CacheAware(PolicyBase):
             if x - lo > self.cfg.balance_abs_tokens and x > self.cfg.balance_rel * (lo + 1)
         }
 
-    def _best(self, cands: Sequence[int], req: RouteRequest, match: Match, load: list[int]) -> int:
+    def _best(self, cands: Sequence[int], req: RouteRequest, match: Match, load: list[int], hot: set[int]) -> int:
         off = self.replicas.tie()
         n, bs, w = len(load), self.fp.block_size, self.cfg.prefill_weight
 
@@ -65,10 +65,12 @@ class CacheAware(PolicyBase):
             uncached = max(0, req.n_prompt - match.tokens(r, bs))
             return (load[r] + req.est_tokens + w * uncached, load[r], (r + off) % n)
 
-        cached = {r: match.tokens(r, bs) for r in cands}
-        top = max(cached.values())
+        # The threshold rule is for replicas that are not hot: a hot pinned replica among the candidates (its episode
+        # may stay if moving costs more) is weighed by cost only, or it would always win on its own history.
+        cached = {r: match.tokens(r, bs) for r in cands if r not in hot}
+        top = max(cached.values(), default=0)
         if top and top > self.cfg.cache_threshold * req.n_prompt:
-            return min((r for r in cands if cached[r] == top), key=cost)
+            return min((r for r in cached if cached[r] == top), key=cost)
         return min(cands, key=cost)
 
     def _reserve(self, req: RouteRequest, r: int, match: Match) -> None:
@@ -112,7 +114,7 @@ class CacheAware(PolicyBase):
                 cands = [x for x in up if x not in hot] or up
                 if p is not None:
                     cands = sorted({*cands, p})
-                r = self._best(cands, req, match, load)
+                r = self._best(cands, req, match, load, hot)
                 if p is not None and r != p:
                     reason = "shed"
                 elif not match.ok:

@@ -101,6 +101,9 @@ def test_a_sharded_checkpoint_needs_every_shard_its_index_names(tmp_path: Path) 
     (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {**weight_map, "x": "a.safetensors"}}))
     with pytest.raises(InvalidArgument, match=r"puts x in a\.safetensors, which does not hold it"):
         read_manifest(str(root))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": ["a.safetensors"]}}))
+    with pytest.raises(InvalidArgument, match="unreadable"):
+        read_manifest(str(root))
     (root / "model.safetensors.index.json").write_text("{")
     with pytest.raises(InvalidArgument, match="unreadable"):
         read_manifest(str(root))

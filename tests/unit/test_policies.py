@@ -122,6 +122,18 @@ async def test_cache_aware_weighs_prefix_against_load_and_sheds_hot_replicas() -
     assert d4.reason == "shed" and d4.replica != d1.replica
 
 
+async def test_a_hot_replica_sheds_an_episode_whose_history_only_it_holds() -> None:
+    """The cache threshold applies among replicas that are not hot: an agent whose whole history sits on its
+    pinned replica still moves off when that replica is hot and moving is cheaper than queueing there."""
+    p = cache_aware(n=2, balance_abs_tokens=100, balance_rel=1.5)
+    history = list(range(40))
+    d1 = await p.choose(req("a", history, first=True))
+    await p.observe(d1, 0)
+    p.replicas.begin(d1.replica, 1000, "a")  # its replica is now hot; nothing of the history is on the other
+    d2 = await p.choose(req("a", [*history, 9, 9, 9, 9]))
+    assert d2.replica != d1.replica and d2.reason == "shed", d2
+
+
 async def test_a_shared_system_prompt_stays_on_one_replica_while_a_short_header_spreads() -> None:
     """Requests arriving together over one long system prompt (224 of 248 tokens shared) all go where it is
     cached, while that replica is not hot, instead of prefilling it on every replica; agents sharing a header
