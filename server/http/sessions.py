@@ -123,8 +123,10 @@ class SessionRegistry:
 
     @staticmethod
     def check_id(session_id: str) -> None:
-        if not session_id or len(session_id) > MAX_ID_LENGTH or not session_id.isprintable():
-            raise InvalidArgument(f"X-Session-ID must be 1 to {MAX_ID_LENGTH} printable characters")
+        # ASCII: the id goes back in the X-Session-ID response header, which carries no other characters (a
+        # printable non-ASCII id was accepted, the session created, and the response failed with a 500).
+        if not session_id or len(session_id) > MAX_ID_LENGTH or not (session_id.isascii() and session_id.isprintable()):
+            raise InvalidArgument(f"X-Session-ID must be 1 to {MAX_ID_LENGTH} printable ASCII characters")
 
     def find(self, tenant: str, session_id: str) -> Session | None:
         return self._sessions.get((tenant, session_id))
