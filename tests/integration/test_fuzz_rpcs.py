@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -70,16 +71,20 @@ def _free_port() -> int:
 def channel() -> Iterator[grpc.Channel]:
     port = _free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--engine", "toy", "--port", str(port), "--metrics-port", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    chan = grpc.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        grpc.channel_ready_future(chan).result(timeout=60)
-        yield chan
-    finally:
-        chan.close()
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-        assert "Traceback" not in err, err[-3000:]  # no handler crashed, even where the status was fine
+    # The bridge's log goes to a file: a pipe nobody reads until the end fills up (64 KiB) and blocks its writes.
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stderr=log, text=True)
+        chan = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            grpc.channel_ready_future(chan).result(timeout=60)
+            yield chan
+        finally:
+            chan.close()
+            proc.terminate()
+            proc.wait(timeout=30)
+            log.seek(0)
+            err = log.read()
+    assert "Traceback" not in err, err[-3000:]  # no handler crashed, even where the status was fine
 
 
 def _check(call: Any) -> Any:
