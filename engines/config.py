@@ -32,6 +32,11 @@ class ToyConfig(BaseModel):
     token_delay_s: float = Field(
         0.0, ge=0, le=10, description="Simulated time per generated token (to exercise cancellation and deadlines)."
     )
+    supports_scoring: bool = Field(
+        False,
+        description="Whether it scores given tokens (capability 'score': ScoreTokens, weight-update proofs); off by "
+        "default, to exercise engines that cannot.",
+    )
 
 
 class RemoteEngineConfig(BaseModel):

@@ -39,6 +39,7 @@ from core.types import (
 )
 from engines.config import ToyConfig
 from engines.sampling import kept_logmass, raw_logprob, sample, unfiltered, verify
+from engines.scoring import ScoreRequest, ScoreResult
 
 SPECIALS = ("<pad>", "<bos>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<unk>")
 PAD, BOS, END, SYSTEM, USER, ASSISTANT, TOOL, UNK = range(len(SPECIALS))
@@ -151,6 +152,8 @@ class ToyEngine:
         self._last_id = v - 1
         self._aborted: set[str] = set()
         self._version = 0
+        self._checkpoint = TOY_BASE_WEIGHTS
+        self._previous: tuple[str, int, np.ndarray] = (TOY_BASE_WEIGHTS, 0, self._bigram)  # what it served before
         self.tokenizer = ToyTokenizer(v)
         self.counters = EngineCounters()
         self.info = EngineInfo(
@@ -160,7 +163,9 @@ class ToyEngine:
             max_model_len=config.max_model_len,
             eos_token_ids=(END,),
             replica=replica,
-            capabilities=CAPABILITIES | ({Capability.WEIGHT_UPDATES} if config.supports_weight_updates else set()),
+            capabilities=CAPABILITIES
+            | ({Capability.WEIGHT_UPDATES} if config.supports_weight_updates else set())
+            | ({Capability.SCORE} if config.supports_scoring else set()),
             base_weights=TOY_BASE_WEIGHTS,
         )
 
@@ -379,13 +384,29 @@ class ToyEngine:
         return EngineHealth(True)
 
     async def update_weights(self, update: WeightUpdate) -> None:
-        """The toy "weights" are its seed: a new version perturbs the tables deterministically."""
-        if update.checkpoint_path == TOY_BASE_WEIGHTS:  # back to the tables it started with
+        """The toy "weights" are its seed: each load perturbs the current tables by noise drawn from ``(seed,
+        version)``, so a second load of one update shows. Loading what it served just before (checkpoint and
+        version: a rollback) gives back those tables."""
+        served = (self._checkpoint, self._version, self._bigram)
+        if (update.checkpoint_path, update.policy_version) == self._previous[:2]:
+            self._set_bigram(self._previous[2])
+        elif update.checkpoint_path == TOY_BASE_WEIGHTS:  # back to the tables it started with
             self._set_bigram(self._base_bigram)
         else:
             rng = np.random.default_rng([self.config.seed, update.policy_version])
             self._set_bigram(self._bigram + rng.normal(0.0, 0.5, size=self._bigram.shape))
-        self._version = update.policy_version
+        self._previous = served
+        self._checkpoint, self._version = update.checkpoint_path, update.policy_version
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """Teacher-forced logprobs from the tables (``Capability.SCORE`` when ``supports_scoring``)."""
+        ids, t = request.token_ids, request.temperature
+        out = np.empty(request.scored, dtype=np.float32)
+        for k, i in enumerate(range(request.start, len(ids))):
+            z = self.logits(ids[:i]) / t
+            top = z.max()
+            out[k] = z[ids[i]] - top - np.log(np.exp(z - top).sum())
+        return ScoreResult(out, self._version)
 
     async def release(self, episode_id: str) -> None:
         return None

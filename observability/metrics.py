@@ -206,11 +206,20 @@ class BridgeMetrics:
             ["route"],
             registry=r,
         )
+        # Weight updates by phase (server/weights.py): prepare (checks, nothing paused), drain (turns ending), apply,
+        # verify (the replicas' proofs), rollback, pause (new turns held: drain + apply + verify), total.
+        self.weight_update_seconds = Histogram(
+            "primerl_weight_update_seconds", "Weight update wall time by phase (pause = turns held).", ["phase"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self._children: dict[tuple[str, str], _TurnChildren] = {}
         self._finished: dict[tuple[str, str, str], Counter] = {}  # (model, engine, finish reason) -> turns child
         self._rpc_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}  # (method, code) -> children
         self._index_totals: dict[str, _Totals] = {}
         self.engine_health: dict[str, bool] = {}
+
+    def weight_update_phase(self, phase: str, seconds: float) -> None:
+        self.weight_update_seconds.labels(phase).observe(seconds)
 
     # -- hot path -----------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ with BridgeClient("localhost:50051") as bridge:
 from rl_client.client import AsyncBridgeClient, BridgeClient, run_episodes
 from rl_client.errors import BridgeError
 from rl_client.fleet import AsyncFleetClient
+from rl_client.proof import WeightProof, weight_proof
 from rl_client.types import Chunk, EnvStatus, Message, Sampling, Started, Trajectory, TurnResult
 
 __all__ = [
@@ -24,5 +25,7 @@ __all__ = [
     "Started",
     "Trajectory",
     "TurnResult",
+    "WeightProof",
     "run_episodes",
+    "weight_proof",
 ]

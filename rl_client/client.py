@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from core.proof import WeightProof
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from rl_client.convert import is_token_ids, messages_pb, sampling_params, trajectory, turn_result
@@ -253,12 +254,24 @@ class AsyncBridgeClient:
         self.open_episodes.discard(episode_id)
 
     async def update_weights(
-        self, checkpoint_path: str = "", *, policy_version: int = 0, keep_kv: bool = False, model: str = ""
+        self,
+        checkpoint_path: str = "",
+        *,
+        policy_version: int = 0,
+        keep_kv: bool = False,
+        model: str = "",
+        proof: WeightProof | None = None,
     ) -> int:
-        """Load new weights on every replica; returns the new policy version."""
+        """Load new weights on every replica; returns the new policy version. With ``proof``
+        (``rl_client.proof.weight_proof``) every replica must match its logprobs, else every replica goes back to
+        the previous weights and the call fails (FAILED_PRECONDITION naming the replica)."""
         req = pb.UpdateWeightsRequest(
             model=model, checkpoint_path=checkpoint_path, policy_version=policy_version, keep_kv=keep_kv
         )
+        if proof is not None:
+            req.probe_token_ids.extend(proof.token_ids)
+            req.probe_logprobs.extend(proof.logprobs)
+            req.probe_tolerance = proof.tolerance
         resp = await self._call(self._stub.UpdateWeights, req, None)
         return resp.policy_version
 

@@ -101,9 +101,10 @@ class BridgeServer:
     async def check_health(self) -> bool:
         """Check every replica: the health gauge, its place in routing, and the gRPC health status.
 
-        A replica is in rotation when its health check passes and it serves the newest policy version
-        (one that missed a weight update stays out). The bridge is SERVING while any replica is in
-        rotation; engines that come up after the bridge are picked up at the next check.
+        A replica is in rotation when its health check passes and it serves the newest policy version's weights:
+        one that was out, or missed a weight update, is first checked, reloaded where needed, and proven
+        (``Weights.rejoin``). The bridge is SERVING while any replica is in rotation; engines that come up after
+        the bridge are picked up at the next check.
         """
         bridge = self.bridge
         newest = bridge.policy_version
@@ -119,7 +120,11 @@ class BridgeServer:
             except Exception as exc:  # noqa: BLE001 - whatever a health call raises, the replica is unhealthy
                 ok, detail = False, f"health check failed: {exc}"
             bridge.metrics.engine_health[engine.info.replica] = ok
-            if ok and engine.policy_version < newest:
+            behind = engine.policy_version < newest
+            if ok and (behind or not bridge.router.replicas.healthy[i]) and i not in bridge.replicas.withdrawn:
+                detail = await bridge.weights.rejoin(i)  # back in rotation only on the committed weights
+                ok = not detail
+            elif ok and behind:
                 ok, detail = False, f"serves policy version {engine.policy_version}, not {newest}"
             bridge.mark_replica(i, ok, detail)
             any_ok |= ok

@@ -28,8 +28,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from cache import CacheConfig
+from core.proof import WeightProof
 from core.salt import salt_text
-from core.types import Capability, Message, Origin, SamplingParams, check_capabilities, check_token_ids
+from core.types import Message, Origin, SamplingParams, check_capabilities, check_token_ids
 from engines.base import Engine
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
@@ -47,9 +48,9 @@ from server.persistence import EpisodeJournal
 from server.replicas import Replicas
 from server.steps import StepHandle
 from server.turns import Turns
-from server.weights import Weights
+from server.weights import Weights, exclusive
 from speculation.config import SpeculationConfig
-from speculation.factory import SpeculationFactory
+from speculation.factory import speculation_for
 
 log = logging.getLogger("primerl.server")
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -86,10 +87,12 @@ class Bridge:
         # Routing: each turn goes where its prefix is cached, sticky per episode, a GRPO group on one
         # replica; failed replicas are out of rotation.
         self.router = Router(self.engines, cache or CacheConfig(), routing or RoutingConfig(), redis_url)
-        self.speculation = self._speculation(speculation)
+        self.speculation = speculation_for(speculation, [e.info for e in self.engines], self.tokenizer)
         self.turns = Turns(self.engines, self.router, self.metrics, self.speculation, admission.max_tokens_per_episode)
         self.inspector = inspector if inspector is not None else EpisodeLog(InspectorConfig())  # the live inspector
-        self.weights = Weights(self.engines, self.mark_replica, self.inspector.weights_updated)
+        self.weights = Weights(
+            self.engines, self.mark_replica, self.inspector.weights_updated, self.metrics.weight_update_phase
+        )
         self.replicas = Replicas(self.engines, self.router, self.turns, self.weights)  # the fleet's replica API
         self._serving = asyncio.Event()  # cleared by pause(): new Steps wait for resume()
         self._serving.set()
@@ -106,22 +109,6 @@ class Bridge:
             on_loaded=lambda e: self.router.opened(e.group_key),
             on_dropped=self._forget,
         )
-
-    def _speculation(self, config: SpeculationConfig | None) -> SpeculationFactory | None:
-        """Speculation (off by default): a drafter per turn for episodes with tools; engines verify exactly."""
-        if config is None or not config.enabled:
-            return None
-        unable = [e.info.replica for e in self.engines if not e.info.supports_constraints]
-        if config.mode == "constrained" and unable:  # they would silently decode unconstrained
-            raise InvalidArgument(
-                f"speculation.mode 'constrained' needs an engine that decodes under a grammar mask "
-                f"(embedded); replicas {unable} ({self.info.engine}) cannot: use mode 'draft-only'"
-            )
-        plain = [e.info.replica for e in self.engines if Capability.DRAFT_VERIFY not in e.info.capabilities]
-        if config.mode == "draft-only" and plain:  # said once here; Turns attaches no drafter for them
-            why = "cannot verify drafts (capability 'draft_verify'): their turns decode plainly"
-            log.warning("speculation on, but replicas %s (%s) %s", plain, self.info.engine, why)
-        return SpeculationFactory(config, getattr(self.tokenizer, "hf_tokenizer", None))
 
     @property
     def policy_version(self) -> int:
@@ -479,17 +466,30 @@ class Bridge:
             await self.fleet.close()
 
     async def update_weights(
-        self, checkpoint_path: str, policy_version: int, keep_kv: bool, model: str = "", mode: str = "keep"
+        self,
+        checkpoint_path: str,
+        policy_version: int,
+        keep_kv: bool,
+        model: str = "",
+        mode: str = "keep",
+        proof: WeightProof | None = None,
     ) -> int:
-        """Check the checkpoint (``Weights.prepare``), then load it; in a fleet, as one fleet operation
-        (``server.fleet.member``), paused only after the check passed."""
+        """Prepare (check the checkpoint and the proof, nothing paused), then apply and verify with no turn running
+        (``server.weights``), commit or roll back; in a fleet as one fleet operation (``server.fleet.member``)."""
         self._check_model(model)
+        self.weights.check_proof(proof)
+        began = time.perf_counter()
         await self.weights.prepare(checkpoint_path)
-        if self.fleet is None:
-            return await self.weights.update(checkpoint_path, policy_version, keep_kv)
-        return await self.fleet.update_weights(
-            checkpoint_path, policy_version, mode, lambda v: self.weights.update(checkpoint_path, v, keep_kv)
-        )
+        self.metrics.weight_update_phase("prepare", time.perf_counter() - began)
+        try:
+            if self.fleet is None:
+                async with exclusive(self, mode, self.admission.weight_update_drain_s, self.metrics):
+                    return await self.weights.update(checkpoint_path, policy_version, keep_kv, proof)
+            return await self.fleet.update_weights(
+                checkpoint_path, policy_version, mode, lambda v: self.weights.update(checkpoint_path, v, keep_kv, proof)
+            )
+        finally:
+            self.metrics.weight_update_phase("total", time.perf_counter() - began)
 
     async def reload_weights(self, policy_version: int = 0) -> int:
         """Back to the weights the engines started from, as a new policy version (prime-rl's reload_weights)."""

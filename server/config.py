@@ -100,6 +100,13 @@ class AdmissionConfig(BaseModel):
         description="Refuse (FAILED_PRECONDITION) a Step on an episode that started more than this many policy "
         "versions before the current one; 0 = off.",
     )
+    weight_update_drain_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="A weight update outside a fleet waits this long for the running turns to end (mode keep) "
+        "before aborting them; in a fleet, fleet.update_timeout_s bounds the whole update.",
+    )
 
 
 # Sampling parameters used where neither the episode nor the turn sets them: the one sampling type itself

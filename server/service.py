@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from core.proof import WeightProof
 from core.types import Message
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
@@ -291,8 +292,9 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
     ) -> pb.UpdateWeightsResponse:
         before = self.bridge.policy_version
         try:
+            proof = WeightProof.of(request.probe_token_ids, request.probe_logprobs, request.probe_tolerance)
             version = await self.bridge.update_weights(
-                request.checkpoint_path, request.policy_version, request.keep_kv, request.model
+                request.checkpoint_path, request.policy_version, request.keep_kv, request.model, proof=proof
             )
         except Exception as exc:
             if self.bridge.policy_version != before:  # applied on some replicas: the client must not retry it

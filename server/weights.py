@@ -12,19 +12,31 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
+from core.proof import WeightProof, default_probe, deviation
 from core.types import Capability, WeightUpdate
 from engines.base import Engine
 from engines.checkpoint import Manifest, check_compatible, read_manifest
-from server.errors import EngineError, InvalidArgument, Unimplemented
+from engines.scoring import ScoreRequest
+from server.errors import (
+    DeadlineExceeded,
+    EngineError,
+    FailedPrecondition,
+    InvalidArgument,
+    PrimeRLError,
+    Unimplemented,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_POLICY_VERSION = 2**63 - 1
+ABORTED_DRAIN_S = 30.0  # how long aborted turns may take to end before an update gives up (nothing loaded)
 
 
 class Weights:
@@ -35,6 +47,7 @@ class Weights:
         engines: Sequence[Engine],
         mark: Callable[[int, bool, str], None],
         updated: Callable[[int, int, float, float], None] | None = None,
+        phase: Callable[[str, float], None] | None = None,
     ) -> None:
         self.engines = engines
         self._mark = mark  # take a replica out of rotation (the router)
@@ -43,6 +56,13 @@ class Weights:
         self.removed: set[int] = set()  # replicas removed from the fleet (server.replicas): never updated
         self._lock = asyncio.Lock()
         self._served: dict[str, Manifest | None] = {}  # base checkpoint -> its manifest (None: not readable here)
+        self._paths: dict[int, str] = {}  # replica -> the checkpoint it serves, once updated (its rollback target)
+        self._phase = phase or (lambda _name, _seconds: None)  # told each phase's duration (the metrics)
+        # The committed weights' proof (the probe and the logprobs every replica matched): a replica coming back into
+        # rotation must match it too (``rejoin``). None before the first proven update: replicas serve what they
+        # started from.
+        self.proven: WeightProof | None = None
+        self._proven: WeightProof | None = None  # the update in progress's, until it commits
 
     @property
     def version(self) -> int:
@@ -97,9 +117,12 @@ class Weights:
         log.warning("served checkpoint %r unreadable (%s): updates are checked for completeness only", base, reason)
         return None
 
-    async def update(self, checkpoint_path: str, policy_version: int, keep_kv: bool) -> int:
-        """Load a checkpoint on every replica; returns the new version (``policy_version`` or current + 1)."""
-        return await self._apply([checkpoint_path] * len(self.engines), policy_version, keep_kv)
+    async def update(
+        self, checkpoint_path: str, policy_version: int, keep_kv: bool, proof: WeightProof | None = None
+    ) -> int:
+        """Load a checkpoint on every replica, prove it, commit; returns the new version (``policy_version`` or
+        current + 1)."""
+        return await self._apply([checkpoint_path] * len(self.engines), policy_version, keep_kv, proof)
 
     async def reload(self, policy_version: int = 0) -> int:
         """Take every replica back to the weights it started from, as a new version (the KV of the trained
@@ -110,9 +133,74 @@ class Weights:
                 f"engine {self.engines[0].info.engine!r} replicas {missing} do not know the weights they started "
                 "from; load them with UpdateWeights (POST /update_weights) and their checkpoint directory"
             )
-        return await self._apply([e.info.base_weights for e in self.engines], policy_version, False)
+        return await self._apply([e.info.base_weights for e in self.engines], policy_version, False, None)
 
-    async def _apply(self, paths: list[str], policy_version: int, keep_kv: bool) -> int:
+    def serves(self, replica: int) -> str:
+        """The checkpoint a replica serves ("" where unknown): the one it started from until an update."""
+        return self._paths.get(replica, self.engines[replica].info.base_weights)
+
+    def adopted(self, replica: int, path: str) -> None:
+        """A fleet update moved a replica to ``path`` (``server.fleet.member``). The bridge that ran it holds the
+        proof; this one has none for the new version, so its returning replicas are not checked against an old one."""
+        if path:
+            self._paths[replica] = path
+        self.proven = None
+
+    async def rejoin(self, replica: int) -> str:
+        """Before a replica that was out of rotation, or is behind the committed version, serves again: it must serve
+        the committed weights. One behind (it missed an update, or restarted and says so) is reloaded with the
+        committed checkpoint; one that can score must then match the committed proof's probe, and one that does not
+        (e.g. a vLLM replica restarted on its start-up weights: it cannot tell) is reloaded and checked once more.
+        Returns "" when it is fit to serve, else why it stays out."""
+        engine = self.engines[replica]
+        async with self._lock:  # not while an update changes the weights
+            version = self.version
+            proof = self.proven if Capability.SCORE in engine.info.capabilities else None
+            why = f"serves policy version {engine.policy_version}, not {version}"
+            if engine.policy_version >= version:
+                if proof is None:
+                    return ""
+                why = await self._prove(engine, proof)
+                if not why:
+                    return ""
+            path = self.serves(replica)
+            if not path:
+                return f"{why}; the bridge does not know its weights' checkpoint: run UpdateWeights"
+            log.warning("replica %s: %s; reloading %s as version %d", engine.info.replica, why, path, version)
+            try:
+                await engine.update_weights(WeightUpdate(path, version))
+            except PrimeRLError as exc:
+                return f"{why}; reloading {path} failed: {exc.message}"
+            if proof is not None and (failed := await self._prove(engine, proof)):
+                return f"fails the proof of version {version} even after reloading {path}: {failed}"
+            if engine.policy_version < version:  # an engine that reports its version still says another one
+                return f"serves policy version {engine.policy_version} after reloading {path}, not {version}"
+            log.info("replica %s serves the weights of version %d again", engine.info.replica, version)
+            return ""
+
+    @staticmethod
+    async def _prove(engine: Engine, proof: WeightProof) -> str:
+        try:
+            got = (await engine.score(ScoreRequest(proof.token_ids, 1))).logprobs.tolist()  # type: ignore[attr-defined]
+        except PrimeRLError as exc:
+            return f"could not score the probe: {exc.message}"
+        worst, at = deviation(got, proof.logprobs)
+        return "" if worst <= proof.tolerance else f"probe token {at + 1} is off by {worst:.4g} nats"
+
+    def check_proof(self, proof: WeightProof | None) -> None:
+        """Before anything pauses: a proof the replicas can check (InvalidArgument / Unimplemented otherwise)."""
+        if proof is None:
+            return
+        info = self.engines[0].info
+        proof.validate(info.vocab_size, info.max_model_len)
+        unable = [e.info.replica for e in self.engines if Capability.SCORE not in e.info.capabilities]
+        if unable:
+            raise Unimplemented(
+                f"replicas {unable} ({info.engine}) cannot score a probe (capability 'score'), so they cannot prove "
+                "the weights they load; send no probe"
+            )
+
+    async def _apply(self, paths: list[str], policy_version: int, keep_kv: bool, proof: WeightProof | None) -> int:
         version = policy_version or self.version + 1
         self._check(version)
         info = self.engines[0].info
@@ -121,29 +209,154 @@ class Weights:
         async with self._lock:
             self._check(version)  # another update may have landed while this one waited
             previous, began, clock = self.version, time.time(), time.perf_counter()
-            done: list[str] = []
-            failed: list[tuple[str, EngineError]] = []
-            for i, (engine, path) in enumerate(zip(self.engines, paths, strict=True)):
-                if i in self.removed:
-                    continue
-                try:
-                    await engine.update_weights(
-                        WeightUpdate(checkpoint_path=path, policy_version=version, keep_kv=keep_kv)
-                    )
-                except EngineError as exc:
-                    # Go on with the others: one dead replica must not hold every replica at the old version.
-                    self._mark(i, False, f"weight update to version {version} failed: {exc.message}")
-                    failed.append((engine.info.replica, exc))
-                    continue
-                done.append(engine.info.replica)
-            if failed and not done:
+            before = [(e.policy_version, self.serves(i)) for i, e in enumerate(self.engines)]
+            done, failed = await self._load(paths, version, keep_kv, before)
+            self._phase("apply", time.perf_counter() - clock)
+            if not done:
                 raise failed[0][1]
+            mark = time.perf_counter()
+            wrong = await self._verify(done, failed, proof, version)
+            self._phase("verify", time.perf_counter() - mark)
+            if wrong or not done:
+                self._proven = None
+                await self._roll_back(done, before, version)
+                raise wrong or failed[0][1]
+            for i in range(len(self.engines)):  # a replica fenced meanwhile gets them when it rejoins
+                if i not in self.removed:
+                    self._paths[i] = paths[i]
+            self.proven, self._proven = self._proven, None
             if self._updated is not None:
                 self._updated(previous, version, began, time.perf_counter() - clock)
             if failed:
                 names = ", ".join(f"{name!r} ({exc.message})" for name, exc in failed)
                 raise EngineError(
-                    f"weights updated to version {version} on {done} but failed on {names}; "
-                    "out of rotation until an update reaches them"
+                    f"weights updated to version {version} on {[self.engines[i].info.replica for i in done]} but "
+                    f"failed on {names}; out of rotation until they load them (at a health check that passes)"
                 )
         return version
+
+    async def _load(
+        self, paths: list[str], version: int, keep_kv: bool, before: list[tuple[int, str]]
+    ) -> tuple[list[int], list[tuple[str, EngineError]]]:
+        """Apply: load on each replica in turn. A replica that fails (dead, unreachable) is fenced and the others go
+        on; an engine that refuses the weights (any other error) sends every replica back, and its error is raised."""
+        done: list[int] = []
+        failed: list[tuple[str, EngineError]] = []
+        for i, (engine, path) in enumerate(zip(self.engines, paths, strict=True)):
+            if i in self.removed:
+                continue
+            try:
+                await engine.update_weights(WeightUpdate(checkpoint_path=path, policy_version=version, keep_kv=keep_kv))
+            except EngineError as exc:
+                # Go on with the others: one dead replica must not hold every replica at the old version.
+                self._mark(i, False, f"weight update to version {version} failed: {exc.message}")
+                failed.append((engine.info.replica, exc))
+                continue
+            except Exception:
+                await self._roll_back(done, before, version)
+                raise
+            done.append(i)
+        return done, failed
+
+    async def _verify(
+        self, done: list[int], failed: list[tuple[str, EngineError]], proof: WeightProof | None, version: int
+    ) -> FailedPrecondition | None:
+        """Verify: every replica that loaded scores the probe; the first whose logprobs stray from the proof's (the
+        caller's, else the first replica's) beyond the tolerance is the error. A replica that cannot answer is
+        fenced like one that failed to load (taken out of ``done``)."""
+        scorers = [i for i in done if Capability.SCORE in self.engines[i].info.capabilities]
+        if not scorers:  # nothing can prove it (and check_proof refused a caller's proof)
+            return None
+        proof = proof or WeightProof()
+        want = list(proof.logprobs) or None
+        probe = proof.token_ids or default_probe(self.engines[0].info.vocab_size)
+        request = ScoreRequest(probe, 1)
+        for i in scorers:
+            engine = self.engines[i]
+            try:
+                got = (await engine.score(request)).logprobs.tolist()  # type: ignore[attr-defined]
+            except EngineError as exc:
+                self._mark(i, False, f"could not prove the weights of version {version}: {exc.message}")
+                failed.append((engine.info.replica, exc))
+                done.remove(i)
+                continue
+            if want is None:
+                want = got
+                continue
+            worst, at = deviation(got, want)
+            if worst > proof.tolerance:
+                whose = "the caller's proof" if proof.logprobs else "the other replicas'"
+                return FailedPrecondition(
+                    f"replica {engine.info.replica!r} loaded the weights of version {version} but they fail the "
+                    f"proof: probe token {at + 1} has logprob {got[at]:.4f} there and {want[at]:.4f} in {whose} "
+                    f"(|difference| {worst:.4g} > probe_tolerance {proof.tolerance:g}); every replica is back on "
+                    "its previous weights and version"
+                )
+        if want is not None:
+            self._proven = WeightProof(probe, tuple(want), proof.tolerance)
+        return None
+
+    async def _roll_back(self, done: list[int], before: list[tuple[int, str]], version: int) -> None:
+        """Send every replica that loaded the new weights back to the ones it served before, under its old version;
+        one that cannot go back (it died, or its previous weights are unknown) leaves rotation."""
+        began = time.perf_counter()
+        for i in done:
+            engine, (old, path) = self.engines[i], before[i]
+            why = "its previous weights are unknown (the engine did not say what it started from)"
+            if path:
+                try:
+                    await engine.update_weights(WeightUpdate(checkpoint_path=path, policy_version=old))
+                    continue
+                except PrimeRLError as exc:
+                    why = exc.message
+            self._mark(i, False, f"could not roll back from version {version} to {old}: {why}")
+            log.error("replica %s could not roll back from version %d: %s", engine.info.replica, version, why)
+        self._phase("rollback", time.perf_counter() - began)
+
+
+class Pausable(Protocol):
+    """What ``exclusive`` needs of the bridge."""
+
+    @property
+    def paused(self) -> bool: ...
+
+    @property
+    def inflight(self) -> int: ...
+
+    async def pause(self, abort: bool) -> int: ...
+
+    def resume(self) -> None: ...
+
+
+class PhaseTimer(Protocol):
+    def weight_update_phase(self, phase: str, seconds: float) -> None: ...
+
+
+@contextlib.asynccontextmanager
+async def exclusive(bridge: Pausable, mode: str, drain_s: float, metrics: PhaseTimer) -> AsyncIterator[None]:
+    """No turn runs while weights change and are proven (a bridge outside a fleet; a fleet's barrier does this for
+    all its bridges): new turns wait, the running ones end (``mode`` keep) or are aborted (abort, or still running
+    after ``drain_s``; their partial tokens are kept, all of the old version); turns resume after commit or rollback
+    unless the bridge was paused before (``POST /pause``)."""
+    was_paused, began = bridge.paused, time.perf_counter()
+    await bridge.pause(abort=mode == "abort")
+    try:
+        aborted, abort_s = mode == "abort", max(drain_s, ABORTED_DRAIN_S)
+        deadline = time.monotonic() + (abort_s if aborted else drain_s)
+        while bridge.inflight:
+            if time.monotonic() > deadline:
+                if aborted:
+                    raise DeadlineExceeded(
+                        f"{bridge.inflight} Steps still running {abort_s:g} s after their turns were aborted; "
+                        "no weights were loaded"
+                    )
+                log.warning("%d Steps still running after %g s: aborting their turns", bridge.inflight, drain_s)
+                await bridge.pause(abort=True)
+                aborted, deadline = True, time.monotonic() + abort_s
+            await asyncio.sleep(0.005)
+        metrics.weight_update_phase("drain", time.perf_counter() - began)
+        yield
+    finally:
+        if not was_paused:
+            bridge.resume()
+        metrics.weight_update_phase("pause", time.perf_counter() - began)

@@ -9,15 +9,41 @@ grammars are cached by the schema strings (compiling once per env, not per turn)
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+from core.errors import InvalidArgument
 from core.grammar import ToolGrammar
+from core.types import Capability, EngineInfo
 from speculation.config import SpeculationConfig
 from speculation.constraint import GrammarConstraint
 from speculation.drafters import SpeculativeDrafter
 from speculation.grammar import CompiledToolGrammar, ll_tokenizer
+
+log = logging.getLogger("primerl.server")
+
+
+def speculation_for(
+    config: SpeculationConfig | None, infos: Sequence[EngineInfo], tokenizer: Any
+) -> SpeculationFactory | None:
+    """The bridge's drafters (off by default): a drafter per turn for episodes with tools; engines verify exactly.
+    InvalidArgument when the mode needs what a replica cannot do."""
+    if config is None or not config.enabled:
+        return None
+    engine = infos[0].engine
+    unable = [i.replica for i in infos if Capability.CONSTRAINTS not in i.capabilities]
+    if config.mode == "constrained" and unable:  # they would silently decode unconstrained
+        raise InvalidArgument(
+            f"speculation.mode 'constrained' needs an engine that decodes under a grammar mask "
+            f"(embedded); replicas {unable} ({engine}) cannot: use mode 'draft-only'"
+        )
+    plain = [i.replica for i in infos if Capability.DRAFT_VERIFY not in i.capabilities]
+    if config.mode == "draft-only" and plain:  # said once here; Turns attaches no drafter for them
+        why = "cannot verify drafts (capability 'draft_verify'): their turns decode plainly"
+        log.warning("speculation on, but replicas %s (%s) %s", plain, engine, why)
+    return SpeculationFactory(config, getattr(tokenizer, "hf_tokenizer", None))
 
 
 def grammar_from_schemas(tool_schemas: Sequence[str], env_name: str = "") -> ToolGrammar | None:

@@ -191,13 +191,14 @@ class FleetMember:
 
     def _resume(self, why: str) -> None:
         self._paused_for = None
+        self.bridge.metrics.weight_update_phase("pause", time.monotonic() - self._paused_at)
         self.bridge.resume()
         log.info("fleet: new turns on %s resumed (%s)", self.model, why)
 
     async def adopt(self, record: ModelRecord) -> None:
         """Move every replica of this bridge to the fleet's version (see module docstring)."""
         async with self._adopting:
-            for engine in self.bridge.engines:
+            for i, engine in enumerate(self.bridge.engines):
                 if engine.policy_version >= record.version:
                     continue
                 adopt: Callable[[int], None] | None = getattr(engine, "adopt_version", None)
@@ -205,6 +206,7 @@ class FleetMember:
                     adopt(record.version)
                 elif record.weights:  # a private replica: this bridge loads the weights itself
                     await engine.update_weights(WeightUpdate(record.weights, record.version))
+                self.bridge.weights.adopted(i, record.weights)
             log.info("fleet: %s adopted policy version %d", self.model, record.version)
 
     # -- replicas added, drained and removed at run time ------------------------------------------

@@ -147,6 +147,15 @@ class UpdateWeightsBody(_Open):
     weight_dir: str = Field(min_length=1, description="Directory of the new checkpoint (safetensors).")
     policy_version: int = Field(0, ge=0, description="New version (0: current + 1).")
     keep_kv: bool = False
+    probe_token_ids: list[int] = Field(
+        default_factory=list,
+        description="A probe each replica scores after loading (see UpdateWeightsRequest); empty: a fixed probe.",
+    )
+    probe_logprobs: list[float] = Field(
+        default_factory=list,
+        description="The caller's logprobs of probe_token_ids[1:] under the new weights; empty: replicas agree.",
+    )
+    probe_tolerance: float = Field(0.0, ge=0, description="Largest |logprob difference| allowed (0: 0.02).")
 
 
 class PauseBody(_Open):

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from core.errors import NotFound
+from core.proof import WeightProof
 from core.types import SamplingOverrides
 from server.http.context import Caller, FrontDoor
 from server.http.errors import BadParam
@@ -79,7 +80,8 @@ def _own(request: Request, door: FrontDoor, caller: Caller) -> Session:
 async def update_weights(request: Request, door: FrontDoor) -> Response:
     body = await door.body(request, UpdateWeightsBody)
     door.admin(request, "update_weights")
-    version = await door.bridge.update_weights(body.weight_dir, body.policy_version, body.keep_kv)
+    proof = WeightProof.of(body.probe_token_ids, body.probe_logprobs, body.probe_tolerance)
+    version = await door.bridge.update_weights(body.weight_dir, body.policy_version, body.keep_kv, proof=proof)
     log.info("weights updated to policy version %d from %r (HTTP)", version, body.weight_dir)
     await _on_other_workers(request, door, body.weight_dir, version, body.keep_kv)
     return JSONResponse({"status": "ok", "policy_version": version})

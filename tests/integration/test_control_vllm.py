@@ -12,6 +12,10 @@ Before that update, two corrupt checkpoints through bridge A (issue 36, acceptan
 ``model.safetensors`` and one with a tensor of the wrong shape both fail with INVALID_ARGUMENT naming the file or
 tensor, before any pause (the fleet registry's update stamp does not move: no fleet update began) and with nothing
 changed (B's next turn is still version 0, and vLLM never saw them: it would have died on the truncated file).
+The good update carries the trainer's proof (the probe's logprobs from its own fp32 copy of the weights), which vLLM
+matches. Last, weights that load but are not what the proof says (issue 36, acceptance 1, the second fault): vLLM
+loads them, fails the proof, is reloaded with the previous checkpoint; the call fails naming the replica, and B's
+next turn has the previous checkpoint's tokens and logprobs under version 1 on both bridges.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from rl_client import AsyncBridgeClient
-from rl_client.errors import InvalidArgumentError
+from rl_client import AsyncBridgeClient, WeightProof, weight_proof
+from rl_client.errors import FailedPreconditionError, InvalidArgumentError
 from tests.integration.fleet_bridge import FleetBridgeProcess, bridge_pair, fleet_env
 from tests.integration.redis_proc import PrivateRedis
 from tests.integration.test_engine_vllm import perturbed_checkpoint
@@ -90,6 +94,28 @@ def _corrupt_copies(ckpt: Path, tmp_path: Path) -> tuple[Path, Path]:
     return truncated, misshapen
 
 
+def _scaled(ckpt: Path, dst: Path, scale: float) -> Path:
+    """``ckpt`` with its final norm scaled once more: loads fine, serves other weights."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpt, dst)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * scale
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _proof(model_dir: Path, ckpt: Path) -> WeightProof:
+    """What a trainer holding ``ckpt`` sends: the probe's logprobs under its own fp32 copy of those weights."""
+    from safetensors.torch import load_file
+
+    from engines.model_store import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(model_dir)
+    model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
+    return weight_proof(model)
+
+
 async def _update_stamps(redis_url: str) -> dict[bytes, object]:
     """The fleet registry's per-model stamps (each fleet update's begin moves its model's)."""
     redis = Redis.from_url(redis_url)
@@ -125,12 +151,23 @@ async def test_after_an_update_through_a_bridge_b_reuses_no_pre_update_kv(
     assert await _update_stamps(redis_server.url) == stamps  # no fleet update began: nothing paused
     _, versions = await _turn(b.client)
     assert set(versions) == {0}
-    assert await a.client.update_weights(str(ckpt)) == 1
+    proof = await asyncio.to_thread(_proof, model_dir, ckpt)  # the trainer's: its own copy of ckpt scores the probe
+    assert await a.client.update_weights(str(ckpt), proof=proof) == 1
     assert await _update_stamps(redis_server.url) != stamps  # (the stamp does move when an update begins)
 
     before = await _hits(url)
     _, versions = await _turn(b.client)  # the first post-update turn, through the other bridge
     assert set(versions) == {1}
     assert await _hits(url) == before  # no prefix-cache hit: B salted with version 1
-    await _turn(b.client)
+    tokens, _ = await _turn(b.client)
     assert await _hits(url) > before  # the same prompt again hits, under version 1: the counter moves
+
+    # Weights that load but are not what the caller proved: vLLM loads them, fails the proof, is sent back to ckpt.
+    served = (await b.client.score_tokens(PROMPT, 1)).logprobs
+    other = await asyncio.to_thread(_scaled, ckpt, tmp_path / "other", 1.3)
+    with pytest.raises(FailedPreconditionError, match=r"replica '.+' loaded the weights of version 2 but they fail"):
+        await a.client.update_weights(str(other), proof=proof)
+    again, versions = await _turn(b.client)
+    assert again == tokens and set(versions) == {1}  # through the other bridge: ckpt's tokens, version 1
+    assert list((await b.client.score_tokens(PROMPT, 1)).logprobs) == pytest.approx(list(served), abs=1e-4)
+    assert [(await c.client.server_info()).models[0].policy_version for c in (a, b)] == [1, 1]

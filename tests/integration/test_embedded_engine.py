@@ -17,7 +17,7 @@ import pytest_asyncio
 from scipy import stats
 
 from rl_client import AsyncBridgeClient
-from rl_client.errors import InvalidArgumentError
+from rl_client.errors import FailedPreconditionError, InvalidArgumentError
 from server.app import BridgeServer, create_server
 from server.config import load_settings
 
@@ -384,6 +384,41 @@ async def test_update_weights_changes_outputs_and_versions(tmp_path: Path, refer
         versions = traj.policy_versions
         assert set(versions[traj.turns[0].generation_start : traj.turns[0].end].tolist()) == {0}
         assert set(versions[traj.turns[1].generation_start : traj.turns[1].end].tolist()) == {1}
+    finally:
+        await client.close()
+        await server.stop(0.5)
+
+
+async def test_a_caller_proof_commits_the_weights_it_proves_and_rolls_back_others(
+    tmp_path: Path, reference: Any
+) -> None:
+    """Issue 36, acceptance 1 on the embedded engine: the trainer sends the logprobs its own copy of the new weights
+    gives the probe (``rl_client.weight_proof``); weights that load but differ from them are rolled back (the
+    previous checkpoint is served again, under its version) and the call fails naming the replica."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from rl_client import weight_proof
+
+    server, client = await _start()
+    try:
+        prompt = _chat(server, "Name a color.")
+        greedy = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        _perturbed_checkpoint(reference, tmp_path / "a", 0.2)
+        _perturbed_checkpoint(reference, tmp_path / "b", 0.4)
+        trained = copy.deepcopy(reference)  # the trainer's copy of checkpoint a
+        trained.load_state_dict(load_file(str(tmp_path / "a" / "model.safetensors")), strict=False)
+        proof = weight_proof(trained)
+        assert await client.update_weights(str(tmp_path / "a"), proof=proof) == 1
+        served = await client.step((await client.start_episode(prompt, sampling=greedy)).episode_id)
+        with pytest.raises(FailedPreconditionError, match=r"replica 'embedded-0' loaded the weights of version 2 but"):
+            await client.update_weights(str(tmp_path / "b"), proof=proof)  # b loads, but it is not what a proves
+        again = await client.step((await client.start_episode(prompt, sampling=greedy)).episode_id)
+        assert again.policy_version == 1 and again.token_ids.tolist() == served.token_ids.tolist()  # a, once more
+        assert (await client.server_info()).models[0].policy_version == 1
     finally:
         await client.close()
         await server.stop(0.5)

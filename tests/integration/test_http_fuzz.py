@@ -50,7 +50,7 @@ class BridgeThread:
 
     async def _start(self) -> BridgeServer:
         settings = load_settings(
-            engine={"type": "toy", "toy": {"supports_weight_updates": True}},
+            engine={"type": "toy", "toy": {"supports_weight_updates": True, "supports_scoring": True}},
             server={"port": 0, "grace_period_s": 1.0},
             metrics={"port": 0},
             auth={"token_hashes": [f"fuzz:{hash_token(TOKEN)}"], "admin_tenants": ["fuzz"]},

@@ -905,6 +905,9 @@ class UpdateWeightsRequest(_message.Message):
     CHECKPOINT_PATH_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     KEEP_KV_FIELD_NUMBER: _builtins.int
+    PROBE_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PROBE_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROBE_TOLERANCE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model to update; empty selects the default model."""
     checkpoint_path: _builtins.str
@@ -913,6 +916,21 @@ class UpdateWeightsRequest(_message.Message):
     """New version number; 0 means "current + 1". Must be greater than the current version."""
     keep_kv: _builtins.bool
     """Keep KV computed under the old weights (off-policy reuse); default drops it."""
+    probe_tolerance: _builtins.float
+    """Largest |logprob difference| (nats) a replica may show; 0 = the default, 0.02 (fp32 engines; ~0.1 for bf16)."""
+    @_builtins.property
+    def probe_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The proof each replica must give after loading, before the version is committed: the logprobs it assigns to
+        probe_token_ids[1:] (each given the ones before it, temperature 1). Empty: a fixed probe, and the replicas must
+        agree with each other. A replica that fails sends every replica back to the previous weights and version.
+        """
+
+    @_builtins.property
+    def probe_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The logprobs the caller computed from its own copy of the new weights (rl_client.weight_proof), one per token of
+        probe_token_ids after the first; empty: the first replica's are the reference.
+        """
+
     def __init__(
         self,
         *,
@@ -920,10 +938,13 @@ class UpdateWeightsRequest(_message.Message):
         checkpoint_path: _builtins.str = ...,
         policy_version: _builtins.int = ...,
         keep_kv: _builtins.bool = ...,
+        probe_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        probe_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        probe_tolerance: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_path", b"checkpoint_path", "keep_kv", b"keep_kv", "model", b"model", "policy_version", b"policy_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_path", b"checkpoint_path", "keep_kv", b"keep_kv", "model", b"model", "policy_version", b"policy_version", "probe_logprobs", b"probe_logprobs", "probe_token_ids", b"probe_token_ids", "probe_tolerance", b"probe_tolerance"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

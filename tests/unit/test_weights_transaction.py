@@ -1,0 +1,184 @@
+"""A weight update as a transaction on one bridge (issue 36): apply with no turn running, every replica proves the
+weights it loaded (logprobs of a probe), commit only when all did; otherwise every replica goes back to its previous
+weights and version and the call names the replica. Real toy engines (their "weights" are seeded tables, so two
+seeds are two models that disagree on any probe); no server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from core.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from core.proof import WeightProof, default_probe, deviation
+from core.types import SamplingOverrides, WeightUpdate
+from engines.config import ToyConfig
+from engines.scoring import ScoreRequest
+from engines.toy import TOY_BASE_WEIGHTS, ToyEngine
+from server.bridge import Bridge
+from server.calls import EndRequest, StartRequest, StepRequest
+from server.config import AdmissionConfig, SamplingDefaults
+
+PROBE = default_probe(512)
+
+
+def toy(seed: int = 0, replica: str = "toy-0", **config: object) -> ToyEngine:
+    return ToyEngine(ToyConfig(seed=seed, supports_scoring=True, **config), replica=replica)  # type: ignore[arg-type]
+
+
+async def probe(engine: ToyEngine) -> list[float]:
+    return (await engine.score(ScoreRequest(PROBE, 1))).logprobs.tolist()
+
+
+async def proof_for(*versions: int) -> WeightProof:
+    """The caller's proof after loading ``versions`` in turn (a toy load perturbs the tables it holds): what its own
+    copy of the weights gives the probe."""
+    own = toy()
+    for version in versions:
+        await own.update_weights(WeightUpdate("ckpt", version))
+    return WeightProof(PROBE, tuple(await probe(own)))
+
+
+def phases(bridge: Bridge) -> dict[str, float]:
+    """How many times each phase of ``primerl_weight_update_seconds`` was observed."""
+    out: dict[str, float] = {}
+    for family in bridge.metrics.registry.collect():
+        if family.name == "primerl_weight_update_seconds":
+            for s in family.samples:
+                if s.name.endswith("_count"):
+                    out[s.labels["phase"]] = s.value
+    return out
+
+
+async def test_a_caller_proof_that_every_replica_matches_commits() -> None:
+    a, b = toy(replica="toy-0"), toy(replica="toy-1")
+    bridge = Bridge([a, b], AdmissionConfig(), SamplingDefaults())
+    assert await bridge.update_weights("ckpt", 0, False, proof=await proof_for(1)) == 1
+    assert (a.policy_version, b.policy_version, bridge.policy_version) == (1, 1, 1)
+    assert {"prepare", "drain", "apply", "verify", "pause", "total"} <= phases(bridge).keys()
+    assert "rollback" not in phases(bridge)
+
+
+async def test_weights_that_differ_from_the_proof_roll_back_everywhere_to_the_previous_checkpoint() -> None:
+    a, b = toy(replica="toy-0"), toy(replica="toy-1")
+    bridge = Bridge([a, b], AdmissionConfig(), SamplingDefaults())
+    assert await bridge.update_weights("one", 0, False) == 1  # no caller proof: the replicas agree with each other
+    served = await probe(a)
+    with pytest.raises(FailedPrecondition, match=r"replica 'toy-0' loaded the weights of version 2 but they fail") as e:
+        await bridge.update_weights("two", 0, False, proof=await proof_for(1, 3))  # a proof of other weights
+    assert "the caller's proof" in e.value.message and "back on its previous weights" in e.value.message
+    assert (a.policy_version, b.policy_version) == (1, 1)
+    assert await probe(a) == served and await probe(b) == served  # version 1's tables again, on both
+    assert phases(bridge)["rollback"] == 1
+    assert not bridge.paused
+    assert await bridge.update_weights("two", 0, False, proof=await proof_for(1, 2)) == 2  # this one goes through
+
+
+async def test_replicas_that_disagree_with_each_other_roll_back() -> None:
+    a, b = toy(seed=0, replica="toy-0"), toy(seed=1, replica="toy-1")  # two different models behind one bridge
+    bridge = Bridge([a, b], AdmissionConfig(), SamplingDefaults())
+    before = await probe(b)
+    with pytest.raises(FailedPrecondition, match=r"replica 'toy-1' .* in the other replicas'"):
+        await bridge.update_weights("ckpt", 0, False)
+    assert (a.policy_version, b.policy_version) == (0, 0) and await probe(b) == before
+
+
+async def test_a_bad_proof_is_refused_before_anything_pauses_or_loads() -> None:
+    a = toy()
+    bridge = Bridge([a], AdmissionConfig(), SamplingDefaults())
+    bad = [
+        (WeightProof(PROBE, (-1.0,)), r"probe_logprobs has 1 values; it must have one per probe token .* \(32\)"),
+        (WeightProof((), (-1.0,)), "without the probe_token_ids"),
+        (WeightProof((1,), ()), "needs 2 to"),
+        (WeightProof((1, 9999), ()), "probe_token_ids"),
+        (WeightProof((1, 2), (0.5,)), r"probe_logprobs\[0\] = 0.5 is not a log-probability"),
+        (WeightProof((1, 2), (), float("nan")), "probe_tolerance must be a finite number > 0"),
+    ]
+    for proof, message in bad:
+        with pytest.raises(InvalidArgument, match=message):
+            await bridge.update_weights("ckpt", 0, False, proof=proof)
+    plain = ToyEngine(ToyConfig())  # cannot score: nothing to prove with
+    with pytest.raises(Unimplemented, match=r"replicas \['local'\] \(toy\) cannot score a probe"):
+        await Bridge([plain], AdmissionConfig(), SamplingDefaults()).update_weights("ckpt", 0, False, proof=PROOF0)
+    assert a.policy_version == 0 and "pause" not in phases(bridge)
+    # an engine that cannot score still updates without a proof (nothing to verify it with)
+    assert await Bridge([plain], AdmissionConfig(), SamplingDefaults()).update_weights("ckpt", 0, False) == 1
+
+
+PROOF0 = WeightProof(PROBE, ())
+
+
+async def _turn(bridge: Bridge, max_tokens: int) -> list[int]:
+    """One episode of one turn; the policy version of each of its sampled tokens."""
+    started = await bridge.start_episode(StartRequest(prompt_ids=(10, 11, 12), sampling=_greedy(max_tokens)))
+    episode_id = started.episode_ids[0]
+    handle = await bridge.prepare_step(StepRequest(episode_id))
+    try:
+        async for _ in handle.updates():
+            pass
+    finally:
+        await handle.close()  # the Step ends (what the gRPC handler does)
+    result = await bridge.end_episode(EndRequest(episode_id))
+    assert result.episode is not None
+    return result.episode.versions[3:]
+
+
+def _greedy(max_tokens: int) -> SamplingOverrides:
+    return SamplingOverrides(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def test_no_token_is_sampled_between_apply_and_commit_and_a_paused_bridge_stays_paused() -> None:
+    slow = toy(token_delay_s=0.01)
+    bridge = Bridge([slow], AdmissionConfig(), SamplingDefaults())
+    running = asyncio.create_task(_turn(bridge, 40))  # ~0.4 s of decoding
+    await asyncio.sleep(0.1)
+    assert await bridge.update_weights("ckpt", 0, False) == 1  # keep: waits for the running turn to end
+    assert set(await running) == {0}  # the whole turn on version 0: it ended before the weights changed
+    assert set(await _turn(bridge, 4)) == {1} and not bridge.paused
+    await bridge.pause(abort=False)  # an operator's pause outlives the update
+    assert await bridge.update_weights("ckpt", 0, False) == 2
+    assert bridge.paused
+
+
+async def test_a_turn_that_outlasts_the_drain_is_aborted_with_its_tokens_on_the_old_version() -> None:
+    slow = toy(token_delay_s=0.01)
+    bridge = Bridge([slow], AdmissionConfig(weight_update_drain_s=0.05), SamplingDefaults())
+    running = asyncio.create_task(_turn(bridge, 400))  # ~4 s: aborted after 0.05 s
+    await asyncio.sleep(0.1)
+    assert await bridge.update_weights("ckpt", 0, False) == 1
+    versions = await running
+    assert 0 < len(versions) < 400 and set(versions) == {0}
+
+
+def test_deviation_is_the_largest_absolute_difference_and_nan_fails() -> None:
+    assert deviation([-1.0, -2.0, -3.0], [-1.0, -2.5, -3.1]) == (0.5, 1)
+    assert deviation([-np.inf, -1.0], [-np.inf, -1.0]) == (0.0, 0)
+    worst, at = deviation([-1.0, float("nan")], [-1.0, -1.0])
+    assert worst == np.inf and at == 1
+
+
+async def test_a_replica_back_on_its_start_up_weights_rejoins_only_after_proving_the_committed_ones() -> None:
+    """What a vLLM replica restarted after a commit looks like from the bridge: it answers under the committed version
+    (the adapter's label) but serves its start-up weights. Before it is back in rotation it must match the committed
+    proof: the bridge reloads the committed checkpoint on it, and it proves it."""
+    a, b = toy(replica="toy-0"), toy(replica="toy-1")
+    bridge = Bridge([a, b], AdmissionConfig(), SamplingDefaults())
+    assert await bridge.weights.rejoin(1) == ""  # nothing committed yet: the start-up weights are the served ones
+    assert await bridge.update_weights("ckpt", 0, False) == 1
+    committed = await probe(b)
+    await b.update_weights(WeightUpdate(TOY_BASE_WEIGHTS, 1))  # "restarted": start-up tables, version label 1
+    assert await probe(b) != committed
+    assert await bridge.weights.rejoin(1) == ""  # reloaded and proven
+    assert await probe(b) == committed and b.policy_version == 1
+
+
+async def test_a_replica_that_cannot_prove_the_committed_weights_stays_out() -> None:
+    a, b = toy(seed=0, replica="toy-0"), toy(seed=0, replica="toy-1")
+    bridge = Bridge([a, b], AdmissionConfig(), SamplingDefaults())
+    assert await bridge.update_weights("ckpt", 0, False) == 1
+    b.config = b.config.model_copy(update={"seed": 5})  # from now on it loads another model's tables
+    await b.update_weights(WeightUpdate("other", 7))
+    await b.update_weights(WeightUpdate("elsewhere", 1))  # labelled version 1, but not version 1's tables
+    why = await bridge.weights.rejoin(1)
+    assert why.startswith("fails the proof of version 1 even after reloading ckpt: probe token")
