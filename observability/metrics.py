@@ -206,10 +206,11 @@ class BridgeMetrics:
             ["route"],
             registry=r,
         )
-        # Weight updates by phase (server/weights.py): prepare (checks, nothing paused), drain (turns ending), apply,
-        # verify (the replicas' proofs), rollback, pause (new turns held: drain + apply + verify), total.
+        # Weight updates by phase (server/weights.py): prepare (checks, before any pause), drain (running turns end,
+        # new ones wait), apply, verify (the replicas' proofs), rollback, pause (apply + verify + rollback: no replica
+        # generates), held (new turns waiting: drain + pause + the fleet's barrier), total (the call).
         self.weight_update_seconds = Histogram(
-            "primerl_weight_update_seconds", "Weight update wall time by phase (pause = turns held).", ["phase"],
+            "primerl_weight_update_seconds", "Weight update wall time by phase (pause: no generation).", ["phase"],
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self._children: dict[tuple[str, str], _TurnChildren] = {}

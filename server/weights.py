@@ -210,17 +210,20 @@ class Weights:
             self._check(version)  # another update may have landed while this one waited
             previous, began, clock = self.version, time.time(), time.perf_counter()
             before = [(e.policy_version, self.serves(i)) for i, e in enumerate(self.engines)]
-            done, failed = await self._load(paths, version, keep_kv, before)
-            self._phase("apply", time.perf_counter() - clock)
-            if not done:
-                raise failed[0][1]
-            mark = time.perf_counter()
-            wrong = await self._verify(done, failed, proof, version)
-            self._phase("verify", time.perf_counter() - mark)
-            if wrong or not done:
-                self._proven = None
-                await self._roll_back(done, before, version)
-                raise wrong or failed[0][1]
+            try:  # the pause proper: no replica generates from here to commit or rollback
+                done, failed = await self._load(paths, version, keep_kv, before)
+                self._phase("apply", time.perf_counter() - clock)
+                if not done:
+                    raise failed[0][1]
+                mark = time.perf_counter()
+                wrong = await self._verify(done, failed, proof, version)
+                self._phase("verify", time.perf_counter() - mark)
+                if wrong or not done:
+                    self._proven = None
+                    await self._roll_back(done, before, version)
+                    raise wrong or failed[0][1]
+            finally:
+                self._phase("pause", time.perf_counter() - clock)
             for i in range(len(self.engines)):  # a replica fenced meanwhile gets them when it rejoins
                 if i not in self.removed:
                     self._paths[i] = paths[i]
@@ -359,4 +362,4 @@ async def exclusive(bridge: Pausable, mode: str, drain_s: float, metrics: PhaseT
     finally:
         if not was_paused:
             bridge.resume()
-        metrics.weight_update_phase("pause", time.perf_counter() - began)
+        metrics.weight_update_phase("held", time.perf_counter() - began)

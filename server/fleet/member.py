@@ -191,13 +191,14 @@ class FleetMember:
 
     def _resume(self, why: str) -> None:
         self._paused_for = None
-        self.bridge.metrics.weight_update_phase("pause", time.monotonic() - self._paused_at)
+        self.bridge.metrics.weight_update_phase("held", time.monotonic() - self._paused_at)
         self.bridge.resume()
         log.info("fleet: new turns on %s resumed (%s)", self.model, why)
 
     async def adopt(self, record: ModelRecord) -> None:
         """Move every replica of this bridge to the fleet's version (see module docstring)."""
         async with self._adopting:
+            began, reloaded = time.perf_counter(), False
             for i, engine in enumerate(self.bridge.engines):
                 if engine.policy_version >= record.version:
                     continue
@@ -206,7 +207,10 @@ class FleetMember:
                     adopt(record.version)
                 elif record.weights:  # a private replica: this bridge loads the weights itself
                     await engine.update_weights(WeightUpdate(record.weights, record.version))
+                    reloaded = True
                 self.bridge.weights.adopted(i, record.weights)
+            if reloaded:  # its replicas generated nothing meanwhile: this bridge's pause
+                self.bridge.metrics.weight_update_phase("pause", time.perf_counter() - began)
             log.info("fleet: %s adopted policy version %d", self.model, record.version)
 
     # -- replicas added, drained and removed at run time ------------------------------------------
@@ -301,8 +305,10 @@ class FleetMember:
             version = max(self.record.version, self.bridge.policy_version) + 1
         update, _ = await self.store.begin_update(self.model, version, mode)
         try:
+            began = time.perf_counter()
             await self._act(update_record(self.record, update))  # this bridge pauses and drains like the others
             await self._wait_for_acks(update)
+            self.bridge.metrics.weight_update_phase("drain", time.perf_counter() - began)  # every bridge's
             done = await apply(update.target)
         except BaseException:
             with contextlib.suppress(PrimeRLError):  # the original error is the one to report

@@ -56,7 +56,7 @@ async def test_a_caller_proof_that_every_replica_matches_commits() -> None:
     bridge = Bridge([a, b], AdmissionConfig(), SamplingDefaults())
     assert await bridge.update_weights("ckpt", 0, False, proof=await proof_for(1)) == 1
     assert (a.policy_version, b.policy_version, bridge.policy_version) == (1, 1, 1)
-    assert {"prepare", "drain", "apply", "verify", "pause", "total"} <= phases(bridge).keys()
+    assert {"prepare", "drain", "apply", "verify", "pause", "held", "total"} <= phases(bridge).keys()
     assert "rollback" not in phases(bridge)
 
 
@@ -101,7 +101,7 @@ async def test_a_bad_proof_is_refused_before_anything_pauses_or_loads() -> None:
     plain = ToyEngine(ToyConfig())  # cannot score: nothing to prove with
     with pytest.raises(Unimplemented, match=r"replicas \['local'\] \(toy\) cannot score a probe"):
         await Bridge([plain], AdmissionConfig(), SamplingDefaults()).update_weights("ckpt", 0, False, proof=PROOF0)
-    assert a.policy_version == 0 and "pause" not in phases(bridge)
+    assert a.policy_version == 0 and not {"held", "pause"} & phases(bridge).keys()
     # an engine that cannot score still updates without a proof (nothing to verify it with)
     assert await Bridge([plain], AdmissionConfig(), SamplingDefaults()).update_weights("ckpt", 0, False) == 1
 
