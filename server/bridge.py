@@ -494,6 +494,7 @@ class Bridge:
     async def reload_weights(self, policy_version: int = 0) -> int:
         """Back to the weights the engines started from, as a new policy version (prime-rl's reload_weights)."""
         if self.fleet is None:
-            return await self.weights.reload(policy_version)
+            async with exclusive(self, "keep", self.admission.weight_update_drain_s, self.metrics):
+                return await self.weights.reload(policy_version)
         base = self.info.base_weights
         return await self.fleet.update_weights(base, policy_version, "keep", self.weights.reload)

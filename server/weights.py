@@ -96,6 +96,9 @@ class Weights:
         return manifest
 
     def _prepare(self, path: str, base: str) -> Manifest:
+        for check in {type(e): getattr(e, "check_checkpoint", None) for e in self.engines}.values():
+            if check is not None:  # what the engine's reload itself needs (vLLM: config.json)
+                check(path)
         new = read_manifest(path, digest=True)
         if base not in self._served:
             self._served[base] = self._served_manifest(base)

@@ -452,6 +452,11 @@ class VllmEngine(OpenAICompletionsEngine):
         usage = self.parse_usage(body.get("usage"))
         return usage.cached_tokens if usage is not None else 0
 
+    def check_checkpoint(self, path: str) -> None:
+        """What a reload from ``path`` needs, checked before anything pauses (``server.weights.Weights.prepare``)."""
+        if self.config.validate_weight_dir:
+            check_weight_dir(path)
+
     async def update_weights(self, update: WeightUpdate) -> None:
         """Reload weights from a directory through vLLM's dev-mode ``/collective_rpc``."""
         path = update.checkpoint_path

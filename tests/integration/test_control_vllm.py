@@ -148,6 +148,9 @@ async def test_after_an_update_through_a_bridge_b_reuses_no_pre_update_kv(
         await a.client.update_weights(str(truncated))
     with pytest.raises(InvalidArgumentError, match=r"tensor model\.norm\.weight has shape \[575\]"):
         await a.client.update_weights(str(misshapen))
+    (misshapen / "config.json").unlink()  # what vLLM's reload itself needs is checked before the pause too
+    with pytest.raises(InvalidArgumentError, match=r"has no config\.json"):
+        await a.client.update_weights(str(misshapen))
     assert await _update_stamps(redis_server.url) == stamps  # no fleet update began: nothing paused
     _, versions = await _turn(b.client)
     assert set(versions) == {0}

@@ -182,3 +182,12 @@ async def test_a_replica_that_cannot_prove_the_committed_weights_stays_out() -> 
     await b.update_weights(WeightUpdate("elsewhere", 1))  # labelled version 1, but not version 1's tables
     why = await bridge.weights.rejoin(1)
     assert why.startswith("fails the proof of version 1 even after reloading ckpt: probe token")
+
+
+async def test_a_reload_to_the_start_up_weights_also_waits_for_the_running_turns() -> None:
+    slow = toy(token_delay_s=0.01)
+    bridge = Bridge([slow], AdmissionConfig(), SamplingDefaults())
+    running = asyncio.create_task(_turn(bridge, 40))
+    await asyncio.sleep(0.1)
+    assert await bridge.reload_weights() == 1
+    assert set(await running) == {0} and set(await _turn(bridge, 4)) == {1}
