@@ -48,10 +48,10 @@ class WeightProof:
         n = len(self.token_ids)
         if not n and self.logprobs:
             raise InvalidArgument("probe_logprobs were sent without the probe_token_ids they score")
-        if n and not 2 <= n <= min(MAX_PROBE_LENGTH, max_model_len):
+        most = min(MAX_PROBE_LENGTH, max_model_len - 1)  # vLLM scores with one token of room to generate
+        if n and not 2 <= n <= most:
             raise InvalidArgument(
-                f"probe_token_ids needs 2 to {min(MAX_PROBE_LENGTH, max_model_len)} token ids (a context and the "
-                f"tokens it scores), got {n}"
+                f"probe_token_ids needs 2 to {most} token ids (a context and the tokens it scores), got {n}"
             )
         check_token_ids(self.token_ids, vocab_size, "probe_token_ids")
         if self.logprobs and len(self.logprobs) != n - 1:

@@ -206,9 +206,8 @@ class BridgeMetrics:
             ["route"],
             registry=r,
         )
-        # Weight updates by phase (server/weights.py): prepare (checks, before any pause), drain (running turns end,
-        # new ones wait), apply, verify (the replicas' proofs), rollback, pause (apply + verify + rollback: no replica
-        # generates), held (new turns waiting: drain + pause + the fleet's barrier), total (the call).
+        # Weight updates by phase (server/weights.py): prepare, drain, apply, verify, rollback, pause (apply + verify +
+        # rollback: no replica generates), held (new turns wait: drain + pause), total (the call).
         self.weight_update_seconds = Histogram(
             "primerl_weight_update_seconds", "Weight update wall time by phase (pause: no generation).", ["phase"],
             buckets=LATENCY_BUCKETS, registry=r,

@@ -122,7 +122,10 @@ class BridgeServer:
             bridge.metrics.engine_health[engine.info.replica] = ok
             behind = engine.policy_version < newest
             if ok and (behind or not bridge.router.replicas.healthy[i]) and i not in bridge.replicas.withdrawn:
-                detail = await bridge.weights.rejoin(i)  # back in rotation only on the committed weights
+                try:  # back in rotation only on the committed weights
+                    detail = await bridge.weights.rejoin(i)
+                except Exception as exc:  # noqa: BLE001 - the health loop must outlive whatever a rejoin raises
+                    detail = f"could not check its weights: {exc}"
                 ok = not detail
             elif ok and behind:
                 ok, detail = False, f"serves policy version {engine.policy_version}, not {newest}"

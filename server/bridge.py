@@ -477,13 +477,13 @@ class Bridge:
         """Prepare (check the checkpoint and the proof, nothing paused), then apply and verify with no turn running
         (``server.weights``), commit or roll back; in a fleet as one fleet operation (``server.fleet.member``)."""
         self._check_model(model)
-        self.weights.check_proof(proof)
+        self.weights.check(policy_version, proof)
         began = time.perf_counter()
         await self.weights.prepare(checkpoint_path)
         self.metrics.weight_update_phase("prepare", time.perf_counter() - began)
         try:
             if self.fleet is None:
-                async with exclusive(self, mode, self.admission.weight_update_drain_s, self.metrics):
+                async with self.weights.gate, exclusive(self, mode, self.admission.weight_update_drain_s, self.metrics):
                     return await self.weights.update(checkpoint_path, policy_version, keep_kv, proof)
             return await self.fleet.update_weights(
                 checkpoint_path, policy_version, mode, lambda v: self.weights.update(checkpoint_path, v, keep_kv, proof)
@@ -493,8 +493,8 @@ class Bridge:
 
     async def reload_weights(self, policy_version: int = 0) -> int:
         """Back to the weights the engines started from, as a new policy version (prime-rl's reload_weights)."""
+        self.weights.check(policy_version, reload=True)
         if self.fleet is None:
-            async with exclusive(self, "keep", self.admission.weight_update_drain_s, self.metrics):
+            async with self.weights.gate, exclusive(self, "keep", self.admission.weight_update_drain_s, self.metrics):
                 return await self.weights.reload(policy_version)
-        base = self.info.base_weights
-        return await self.fleet.update_weights(base, policy_version, "keep", self.weights.reload)
+        return await self.fleet.update_weights(self.info.base_weights, policy_version, "keep", self.weights.reload)

@@ -15,9 +15,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from core.proof import WeightProof, default_probe, deviation
 from core.types import Capability, WeightUpdate
@@ -25,8 +25,8 @@ from engines.base import Engine
 from engines.checkpoint import Manifest, check_compatible, read_manifest
 from engines.scoring import ScoreRequest
 from server.errors import (
-    DeadlineExceeded,
     EngineError,
+    EngineUnavailable,
     FailedPrecondition,
     InvalidArgument,
     PrimeRLError,
@@ -36,6 +36,7 @@ from server.errors import (
 log = logging.getLogger(__name__)
 
 MAX_POLICY_VERSION = 2**63 - 1
+T = TypeVar("T")
 ABORTED_DRAIN_S = 30.0  # how long aborted turns may take to end before an update gives up (nothing loaded)
 
 
@@ -54,6 +55,8 @@ class Weights:
         # Told of each update that reached a replica: (previous version, new version, unix start, seconds taken).
         self._updated = updated
         self.removed: set[int] = set()  # replicas removed from the fleet (server.replicas): never updated
+        self.tainted: set[int] = set()  # replicas fenced by an update: rejoin reloads and proves them first
+        self.gate = asyncio.Lock()  # one update at a time, from before its pause (Bridge.update_weights)
         self._lock = asyncio.Lock()
         self._served: dict[str, Manifest | None] = {}  # base checkpoint -> its manifest (None: not readable here)
         self._paths: dict[int, str] = {}  # replica -> the checkpoint it serves, once updated (its rollback target)
@@ -66,10 +69,14 @@ class Weights:
 
     @property
     def version(self) -> int:
-        """The newest version any replica serves (a replica whose update failed is out of rotation)."""
-        if len(self.engines) == 1:  # the common case, on every Step: no generator
-            return self.engines[0].policy_version
-        return max(e.policy_version for e in self.engines)
+        """The newest version a trusted replica serves (a fenced one, ``tainted``, is out of rotation and may carry
+        the label of an update that never committed)."""
+        if not self.tainted:
+            if len(self.engines) == 1:  # the common case, on every Step: no generator
+                return self.engines[0].policy_version
+            return max(e.policy_version for e in self.engines)
+        trusted = [e.policy_version for i, e in enumerate(self.engines) if i not in self.tainted]
+        return max(trusted or [e.policy_version for e in self.engines])
 
     def _check(self, version: int) -> None:
         current = self.version
@@ -130,12 +137,7 @@ class Weights:
     async def reload(self, policy_version: int = 0) -> int:
         """Take every replica back to the weights it started from, as a new version (the KV of the trained
         weights is not reused: a new version salts the prefix cache anew)."""
-        missing = [e.info.replica for e in self.engines if not e.info.base_weights]
-        if missing:
-            raise Unimplemented(
-                f"engine {self.engines[0].info.engine!r} replicas {missing} do not know the weights they started "
-                "from; load them with UpdateWeights (POST /update_weights) and their checkpoint directory"
-            )
+        self.check(policy_version, reload=True)
         return await self._apply([e.info.base_weights for e in self.engines], policy_version, False, None)
 
     def serves(self, replica: int) -> str:
@@ -160,7 +162,9 @@ class Weights:
             version = self.version
             proof = self.proven if Capability.SCORE in engine.info.capabilities else None
             why = f"serves policy version {engine.policy_version}, not {version}"
-            if engine.policy_version >= version:
+            if replica in self.tainted:  # an update fenced it: its label says nothing about its weights
+                why = "was fenced by a weight update"
+            elif engine.policy_version >= version:
                 if proof is None:
                     return ""
                 why = await self._prove(engine, proof)
@@ -178,6 +182,7 @@ class Weights:
                 return f"fails the proof of version {version} even after reloading {path}: {failed}"
             if engine.policy_version < version:  # an engine that reports its version still says another one
                 return f"serves policy version {engine.policy_version} after reloading {path}, not {version}"
+            self.tainted.discard(replica)
             log.info("replica %s serves the weights of version %d again", engine.info.replica, version)
             return ""
 
@@ -187,11 +192,21 @@ class Weights:
             got = (await engine.score(ScoreRequest(proof.token_ids, 1))).logprobs.tolist()  # type: ignore[attr-defined]
         except PrimeRLError as exc:
             return f"could not score the probe: {exc.message}"
+        if len(got) != len(proof.logprobs):
+            return f"scored {len(got)} probe tokens, not {len(proof.logprobs)}"
         worst, at = deviation(got, proof.logprobs)
         return "" if worst <= proof.tolerance else f"probe token {at + 1} is off by {worst:.4g} nats"
 
-    def check_proof(self, proof: WeightProof | None) -> None:
-        """Before anything pauses: a proof the replicas can check (InvalidArgument / Unimplemented otherwise)."""
+    def check(self, policy_version: int, proof: WeightProof | None = None, reload: bool = False) -> None:
+        """Before anything pauses: ``policy_version`` (0: current + 1) may come next, the replicas can load the start-up
+        weights (``reload``), and a proof is one they can check (InvalidArgument / Unimplemented otherwise)."""
+        self._check(policy_version or self.version + 1)
+        missing = [e.info.replica for e in self.engines if not e.info.base_weights]
+        if reload and missing:
+            raise Unimplemented(
+                f"engine {self.engines[0].info.engine!r} replicas {missing} do not know the weights they started "
+                "from; load them with UpdateWeights (POST /update_weights) and their checkpoint directory"
+            )
         if proof is None:
             return
         info = self.engines[0].info
@@ -213,23 +228,31 @@ class Weights:
             self._check(version)  # another update may have landed while this one waited
             previous, began, clock = self.version, time.time(), time.perf_counter()
             before = [(e.policy_version, self.serves(i)) for i, e in enumerate(self.engines)]
+            attempted: list[int] = []
             try:  # the pause proper: no replica generates from here to commit or rollback
-                done, failed = await self._load(paths, version, keep_kv, before)
+                done, failed = await self._load(paths, version, keep_kv, attempted)
                 self._phase("apply", time.perf_counter() - clock)
                 if not done:
                     raise failed[0][1]
                 mark = time.perf_counter()
                 wrong = await self._verify(done, failed, proof, version)
                 self._phase("verify", time.perf_counter() - mark)
-                if wrong or not done:
-                    self._proven = None
-                    await self._roll_back(done, before, version)
-                    raise wrong or failed[0][1]
+                if wrong:
+                    raise FailedPrecondition(wrong)
+            except BaseException as exc:  # a failure, a refusal, the caller gone: every replica back, then raise
+                self._proven = None
+                stuck = await _to_the_end(self._roll_back(attempted, before, version))
+                if isinstance(exc, FailedPrecondition):
+                    back = f"except {stuck} (out of rotation until they reload them)" if stuck else ""
+                    raise FailedPrecondition(
+                        f"{exc.message}; every replica is back on its previous weights and version {back}".rstrip()
+                    ) from None
+                raise
             finally:
                 self._phase("pause", time.perf_counter() - clock)
-            for i in range(len(self.engines)):  # a replica fenced meanwhile gets them when it rejoins
-                if i not in self.removed:
-                    self._paths[i] = paths[i]
+            for i in range(len(self.engines)):  # a replica out (fenced, removed) gets them when it rejoins
+                self._paths[i] = paths[i]
+            self.tainted -= set(done)
             self.proven, self._proven = self._proven, None
             if self._updated is not None:
                 self._updated(previous, version, began, time.perf_counter() - clock)
@@ -241,38 +264,41 @@ class Weights:
                 )
         return version
 
+    def _fence(self, replica: int, why: str) -> None:
+        """Out of rotation, its weights and version not trusted (left out of ``version``) until it rejoins."""
+        self.tainted.add(replica)
+        self._mark(replica, False, why)
+
     async def _load(
-        self, paths: list[str], version: int, keep_kv: bool, before: list[tuple[int, str]]
+        self, paths: list[str], version: int, keep_kv: bool, attempted: list[int]
     ) -> tuple[list[int], list[tuple[str, EngineError]]]:
-        """Apply: load on each replica in turn. A replica that fails (dead, unreachable) is fenced and the others go
-        on; an engine that refuses the weights (any other error) sends every replica back, and its error is raised."""
+        """Apply: load on each replica in turn (``attempted`` grows before each call: a rollback covers it). A
+        replica that fails (dead, unreachable) is fenced and the others go on; any other error is raised."""
         done: list[int] = []
         failed: list[tuple[str, EngineError]] = []
         for i, (engine, path) in enumerate(zip(self.engines, paths, strict=True)):
             if i in self.removed:
                 continue
+            attempted.append(i)
             try:
                 await engine.update_weights(WeightUpdate(checkpoint_path=path, policy_version=version, keep_kv=keep_kv))
             except EngineError as exc:
                 # Go on with the others: one dead replica must not hold every replica at the old version.
-                self._mark(i, False, f"weight update to version {version} failed: {exc.message}")
+                self._fence(i, f"weight update to version {version} failed: {exc.message}")
                 failed.append((engine.info.replica, exc))
                 continue
-            except Exception:
-                await self._roll_back(done, before, version)
-                raise
             done.append(i)
         return done, failed
 
     async def _verify(
         self, done: list[int], failed: list[tuple[str, EngineError]], proof: WeightProof | None, version: int
-    ) -> FailedPrecondition | None:
-        """Verify: every replica that loaded scores the probe; the first whose logprobs stray from the proof's (the
-        caller's, else the first replica's) beyond the tolerance is the error. A replica that cannot answer is
-        fenced like one that failed to load (taken out of ``done``)."""
+    ) -> str:
+        """Verify: every replica that loaded scores the probe; returns why the first whose logprobs stray from the
+        proof's (the caller's, else the first replica's) beyond the tolerance fails ("" when none does). A replica
+        that cannot answer is fenced like one that failed to load (taken out of ``done``)."""
         scorers = [i for i in done if Capability.SCORE in self.engines[i].info.capabilities]
-        if not scorers:  # nothing can prove it (and check_proof refused a caller's proof)
-            return None
+        if not scorers:  # nothing can prove it (and check refused a caller's proof)
+            return ""
         proof = proof or WeightProof()
         want = list(proof.logprobs) or None
         probe = proof.token_ids or default_probe(self.engines[0].info.vocab_size)
@@ -282,31 +308,32 @@ class Weights:
             try:
                 got = (await engine.score(request)).logprobs.tolist()  # type: ignore[attr-defined]
             except EngineError as exc:
-                self._mark(i, False, f"could not prove the weights of version {version}: {exc.message}")
+                self._fence(i, f"could not prove the weights of version {version}: {exc.message}")
                 failed.append((engine.info.replica, exc))
                 done.remove(i)
                 continue
             if want is None:
                 want = got
                 continue
+            if len(got) != len(want):
+                return f"replica {engine.info.replica!r} scored {len(got)} probe tokens, not {len(want)}"
             worst, at = deviation(got, want)
             if worst > proof.tolerance:
                 whose = "the caller's proof" if proof.logprobs else "the other replicas'"
-                return FailedPrecondition(
+                return (
                     f"replica {engine.info.replica!r} loaded the weights of version {version} but they fail the "
                     f"proof: probe token {at + 1} has logprob {got[at]:.4f} there and {want[at]:.4f} in {whose} "
-                    f"(|difference| {worst:.4g} > probe_tolerance {proof.tolerance:g}); every replica is back on "
-                    "its previous weights and version"
+                    f"(|difference| {worst:.4g} > probe_tolerance {proof.tolerance:g})"
                 )
         if want is not None:
             self._proven = WeightProof(probe, tuple(want), proof.tolerance)
-        return None
+        return ""
 
-    async def _roll_back(self, done: list[int], before: list[tuple[int, str]], version: int) -> None:
-        """Send every replica that loaded the new weights back to the ones it served before, under its old version;
-        one that cannot go back (it died, or its previous weights are unknown) leaves rotation."""
-        began = time.perf_counter()
-        for i in done:
+    async def _roll_back(self, attempted: list[int], before: list[tuple[int, str]], version: int) -> list[str]:
+        """Send every replica an update reached back to the weights it served before, under its old version; one
+        that cannot go back (it died, or its previous weights are unknown) is fenced. Returns those."""
+        began, stuck = time.perf_counter(), []
+        for i in attempted:
             engine, (old, path) = self.engines[i], before[i]
             why = "its previous weights are unknown (the engine did not say what it started from)"
             if path:
@@ -315,9 +342,26 @@ class Weights:
                     continue
                 except PrimeRLError as exc:
                     why = exc.message
-            self._mark(i, False, f"could not roll back from version {version} to {old}: {why}")
+            self._fence(i, f"could not roll back from version {version} to {old}: {why}")
             log.error("replica %s could not roll back from version %d: %s", engine.info.replica, version, why)
+            stuck.append(engine.info.replica)
         self._phase("rollback", time.perf_counter() - began)
+        return stuck
+
+
+async def _to_the_end(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end even when the caller is cancelled meanwhile (a rollback must not stop half-way);
+    the cancellation is raised after it."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
 
 
 class Pausable(Protocol):
@@ -352,9 +396,9 @@ async def exclusive(bridge: Pausable, mode: str, drain_s: float, metrics: PhaseT
         while bridge.inflight:
             if time.monotonic() > deadline:
                 if aborted:
-                    raise DeadlineExceeded(
+                    raise EngineUnavailable(
                         f"{bridge.inflight} Steps still running {abort_s:g} s after their turns were aborted; "
-                        "no weights were loaded"
+                        "no weights were loaded: retry the update"
                     )
                 log.warning("%d Steps still running after %g s: aborting their turns", bridge.inflight, drain_s)
                 await bridge.pause(abort=True)

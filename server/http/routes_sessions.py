@@ -16,7 +16,7 @@ import logging
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from core.errors import NotFound
+from core.errors import FailedPrecondition, NotFound
 from core.proof import WeightProof
 from core.types import SamplingOverrides
 from server.http.context import Caller, FrontDoor
@@ -114,6 +114,8 @@ async def pause(request: Request, door: FrontDoor) -> Response:
 
 async def resume(request: Request, door: FrontDoor) -> Response:
     door.admin(request, "resume")
+    if door.bridge.weights.gate.locked():  # its pause keeps turns off weights not yet proven; it ends with it
+        raise FailedPrecondition("a weight update is running; new turns resume when it commits or rolls back")
     door.bridge.resume()
     return JSONResponse({"status": "ok"})
 

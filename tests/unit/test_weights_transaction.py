@@ -6,11 +6,12 @@ seeds are two models that disagree on any probe); no server."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 
-from core.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from core.errors import EngineUnavailable, FailedPrecondition, InvalidArgument, Unimplemented
 from core.proof import WeightProof, default_probe, deviation
 from core.types import SamplingOverrides, WeightUpdate
 from engines.config import ToyConfig
@@ -109,8 +110,16 @@ async def test_a_bad_proof_is_refused_before_anything_pauses_or_loads() -> None:
 PROOF0 = WeightProof(PROBE, ())
 
 
-async def _turn(bridge: Bridge, max_tokens: int) -> list[int]:
-    """One episode of one turn; the policy version of each of its sampled tokens."""
+@dataclass
+class Turn:
+    tokens: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    step_ended: asyncio.Event = field(default_factory=asyncio.Event)  # its Step released (before EndEpisode)
+
+
+async def _turn(bridge: Bridge, max_tokens: int, turn: Turn | None = None) -> Turn:
+    """One episode of one greedy turn: its sampled tokens and the policy version of each."""
+    turn = turn or Turn()
     started = await bridge.start_episode(StartRequest(prompt_ids=(10, 11, 12), sampling=_greedy(max_tokens)))
     episode_id = started.episode_ids[0]
     handle = await bridge.prepare_step(StepRequest(episode_id))
@@ -119,23 +128,37 @@ async def _turn(bridge: Bridge, max_tokens: int) -> list[int]:
             pass
     finally:
         await handle.close()  # the Step ends (what the gRPC handler does)
+        turn.step_ended.set()
     result = await bridge.end_episode(EndRequest(episode_id))
     assert result.episode is not None
-    return result.episode.versions[3:]
+    turn.tokens, turn.versions = result.episode.token_ids[3:], result.episode.versions[3:]
+    return turn
 
 
 def _greedy(max_tokens: int) -> SamplingOverrides:
     return SamplingOverrides(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+async def _version_0_tokens(max_tokens: int, *versions: int) -> list[int]:
+    """What the start-up weights (after loading ``versions`` in turn) decode greedily from the same prompt."""
+    own = toy()
+    for version in versions:
+        await own.update_weights(WeightUpdate("ckpt", version))
+    return (await _turn(Bridge([own], AdmissionConfig(), SamplingDefaults()), max_tokens)).tokens
+
+
 async def test_no_token_is_sampled_between_apply_and_commit_and_a_paused_bridge_stays_paused() -> None:
     slow = toy(token_delay_s=0.01)
     bridge = Bridge([slow], AdmissionConfig(), SamplingDefaults())
-    running = asyncio.create_task(_turn(bridge, 40))  # ~0.4 s of decoding
+    turn = Turn()
+    running = asyncio.create_task(_turn(bridge, 40, turn))  # ~0.4 s of decoding
     await asyncio.sleep(0.1)
     assert await bridge.update_weights("ckpt", 0, False) == 1  # keep: waits for the running turn to end
-    assert set(await running) == {0}  # the whole turn on version 0: it ended before the weights changed
-    assert set(await _turn(bridge, 4)) == {1} and not bridge.paused
+    assert turn.step_ended.is_set()  # its Step had ended before the update returned
+    await running
+    assert turn.tokens == await _version_0_tokens(40) and set(turn.versions) == {0}  # all of it on version 0
+    after = await _turn(bridge, 4)
+    assert set(after.versions) == {1} and after.tokens != (await _version_0_tokens(4)) and not bridge.paused
     await bridge.pause(abort=False)  # an operator's pause outlives the update
     assert await bridge.update_weights("ckpt", 0, False) == 2
     assert bridge.paused
@@ -144,11 +167,70 @@ async def test_no_token_is_sampled_between_apply_and_commit_and_a_paused_bridge_
 async def test_a_turn_that_outlasts_the_drain_is_aborted_with_its_tokens_on_the_old_version() -> None:
     slow = toy(token_delay_s=0.01)
     bridge = Bridge([slow], AdmissionConfig(weight_update_drain_s=0.05), SamplingDefaults())
-    running = asyncio.create_task(_turn(bridge, 400))  # ~4 s: aborted after 0.05 s
+    turn = Turn()
+    running = asyncio.create_task(_turn(bridge, 400, turn))  # ~4 s: aborted after 0.05 s
     await asyncio.sleep(0.1)
     assert await bridge.update_weights("ckpt", 0, False) == 1
-    versions = await running
-    assert 0 < len(versions) < 400 and set(versions) == {0}
+    assert turn.step_ended.is_set()
+    await running
+    assert 0 < len(turn.tokens) < 400 and set(turn.versions) == {0}
+    assert turn.tokens == (await _version_0_tokens(400))[: len(turn.tokens)]  # every token from version 0's weights
+
+
+async def test_a_reload_to_the_start_up_weights_also_waits_for_the_running_turns() -> None:
+    slow = toy(token_delay_s=0.01)
+    bridge = Bridge([slow], AdmissionConfig(), SamplingDefaults())
+    assert await bridge.update_weights("ckpt", 0, False) == 1
+    turn = Turn()
+    running = asyncio.create_task(_turn(bridge, 40, turn))
+    await asyncio.sleep(0.1)
+    assert await bridge.reload_weights() == 2
+    assert turn.step_ended.is_set()
+    await running
+    assert set(turn.versions) == {1} and turn.tokens == await _version_0_tokens(40, 1)  # version 1's weights throughout
+    assert (await _turn(bridge, 40)).tokens == await _version_0_tokens(40)  # then the start-up weights again
+
+
+async def test_a_cancelled_update_rolls_every_replica_back_before_turns_resume() -> None:
+    """The caller gone mid-update (its deadline, a disconnect): the replicas that loaded go back all the same."""
+    a, b = toy(replica="toy-0"), toy(replica="toy-1", token_delay_s=0.0)
+    bridge = Bridge([a, b], AdmissionConfig(), SamplingDefaults())
+    served = await probe(b)
+    original = b.update_weights
+
+    async def slow_load(update: WeightUpdate) -> None:
+        await original(update)
+        if update.policy_version == 1:
+            await asyncio.sleep(5)  # the new weights are in; the call is cancelled meanwhile
+
+    b.update_weights = slow_load  # type: ignore[method-assign]
+    call = asyncio.create_task(bridge.update_weights("ckpt", 0, False))
+    await asyncio.sleep(0.2)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert (a.policy_version, b.policy_version, bridge.policy_version) == (0, 0, 0)
+    assert await probe(b) == served and await probe(a) == served and not bridge.paused
+
+
+async def test_a_replica_that_cannot_roll_back_is_fenced_and_left_out_of_the_version() -> None:
+    a, b = toy(replica="toy-0"), toy(seed=1, replica="toy-1")  # they disagree: the update fails its proof
+    bridge = Bridge([a, b], AdmissionConfig(), SamplingDefaults())
+    original = b.update_weights
+
+    async def no_way_back(update: WeightUpdate) -> None:
+        if update.policy_version == 0:
+            raise EngineUnavailable("toy-1 is gone")
+        await original(update)
+
+    b.update_weights = no_way_back  # type: ignore[method-assign]
+    with pytest.raises(FailedPrecondition, match=r"back on its previous weights and version except \['toy-1'\]"):
+        await bridge.update_weights("ckpt", 0, False)
+    assert b.policy_version == 1 and bridge.policy_version == 0  # its label is not the bridge's version
+    assert bridge.weights.tainted == {1} and bridge.router.replicas.healthy == [True, False]
+    b.update_weights = original  # type: ignore[method-assign]
+    assert await bridge.weights.rejoin(1) == ""  # reloaded with the committed (start-up) weights, version 0
+    assert b.policy_version == 0 and not bridge.weights.tainted
 
 
 def test_deviation_is_the_largest_absolute_difference_and_nan_fails() -> None:
@@ -182,12 +264,3 @@ async def test_a_replica_that_cannot_prove_the_committed_weights_stays_out() -> 
     await b.update_weights(WeightUpdate("elsewhere", 1))  # labelled version 1, but not version 1's tables
     why = await bridge.weights.rejoin(1)
     assert why.startswith("fails the proof of version 1 even after reloading ckpt: probe token")
-
-
-async def test_a_reload_to_the_start_up_weights_also_waits_for_the_running_turns() -> None:
-    slow = toy(token_delay_s=0.01)
-    bridge = Bridge([slow], AdmissionConfig(), SamplingDefaults())
-    running = asyncio.create_task(_turn(bridge, 40))
-    await asyncio.sleep(0.1)
-    assert await bridge.reload_weights() == 1
-    assert set(await running) == {0} and set(await _turn(bridge, 4)) == {1}
