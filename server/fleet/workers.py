@@ -55,6 +55,7 @@ from typing import Any, Protocol
 import grpc
 
 from core.errors import EngineUnavailable, PrimeRLError
+from core.proof import WeightProof
 from proto.primerl.v1 import primerl_pb2 as pb
 from server.config import Settings
 from server.fleet.forward import default_forwarder, forwarded_metadata
@@ -140,10 +141,17 @@ class WorkerSlot:
         """Whether a weight update made on one worker is made on the others too (see the module docstring)."""
         return self.broadcast_weights and self.count > 1
 
-    async def weights_changed(self, checkpoint_path: str, version: int, keep_kv: bool, authorization: str) -> None:
+    async def weights_changed(
+        self, checkpoint_path: str, version: int, keep_kv: bool, authorization: str, proof: WeightProof | None = None
+    ) -> None:
         """The HTTP front door's weight routes, after the update to ``version`` ran here: the same on every other
-        worker (``authorization``: the HTTP caller's header, for the peers' own auth check)."""
+        worker (``authorization``: the HTTP caller's header, for the peers' own auth check; ``proof``: the caller's,
+        which the peers' replicas must match too)."""
         request = pb.UpdateWeightsRequest(checkpoint_path=checkpoint_path, policy_version=version, keep_kv=keep_kv)
+        if proof is not None:
+            request.probe_token_ids.extend(proof.token_ids)
+            request.probe_logprobs.extend(proof.logprobs)
+            request.probe_tolerance = proof.tolerance
         metadata: tuple[tuple[str, str], ...] = ((FORWARDED_BY, str(self.index)),)
         if authorization:
             metadata += (("authorization", authorization),)

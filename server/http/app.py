@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from core.proof import WeightProof
 from observability.metrics import BridgeMetrics
 from server.bridge import Bridge
 from server.http import routes_inspect as inspect
@@ -81,7 +82,7 @@ def create_app(
     *,
     session_ttl_s: float = 3600.0,
     max_body_bytes: int = 16 * 1024 * 1024,
-    weights_changed: Callable[[str, int, bool, str], Awaitable[None]] | None = None,
+    weights_changed: Callable[[str, int, bool, str, WeightProof | None], Awaitable[None]] | None = None,
 ) -> Starlette:
     """The front door over ``bridge`` (``tenants``: digest -> tenant from ``server.auth.load_tenants``;
     ``weights_changed``: see ``FrontDoor``)."""

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from core.errors import PermissionDenied, Unauthenticated
+from core.proof import WeightProof
 from observability.metrics import BridgeMetrics
 from server.auth import bearer_token, tenant_for
 from server.bridge import Bridge
@@ -53,8 +54,9 @@ class FrontDoor:
     admins: frozenset[str]
     max_body_bytes: int
     # After a weight route ran here: the same update on the bridge's other workers (``primerl serve --workers``;
-    # None with one worker). Arguments: checkpoint path, the version loaded, keep_kv, the caller's Authorization.
-    weights_changed: Callable[[str, int, bool, str], Awaitable[None]] | None = None
+    # None with one worker). Arguments: checkpoint path, the version loaded, keep_kv, the caller's Authorization, the
+    # caller's proof (every worker's replicas must match it too).
+    weights_changed: Callable[[str, int, bool, str, WeightProof | None], Awaitable[None]] | None = None
 
     @property
     def auth_on(self) -> bool:

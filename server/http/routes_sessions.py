@@ -83,7 +83,7 @@ async def update_weights(request: Request, door: FrontDoor) -> Response:
     proof = WeightProof.of(body.probe_token_ids, body.probe_logprobs, body.probe_tolerance)
     version = await door.bridge.update_weights(body.weight_dir, body.policy_version, body.keep_kv, proof=proof)
     log.info("weights updated to policy version %d from %r (HTTP)", version, body.weight_dir)
-    await _on_other_workers(request, door, body.weight_dir, version, body.keep_kv)
+    await _on_other_workers(request, door, body.weight_dir, version, body.keep_kv, proof)
     return JSONResponse({"status": "ok", "policy_version": version})
 
 
@@ -92,15 +92,17 @@ async def reload_weights(request: Request, door: FrontDoor) -> Response:
     door.admin(request, "reload_weights")
     version = await door.bridge.reload_weights()
     log.info("weights reloaded to the base checkpoint as policy version %d (HTTP)", version)
-    await _on_other_workers(request, door, door.bridge.info.base_weights, version, False)
+    await _on_other_workers(request, door, door.bridge.info.base_weights, version, False, None)
     return JSONResponse({"status": "ok", "policy_version": version})
 
 
-async def _on_other_workers(request: Request, door: FrontDoor, path: str, version: int, keep_kv: bool) -> None:
+async def _on_other_workers(
+    request: Request, door: FrontDoor, path: str, version: int, keep_kv: bool, proof: WeightProof | None
+) -> None:
     """With ``--workers N``: the update just made here, at its version, on every other worker (each has its own
     engines); a worker it failed on is named in a 503."""
     if door.weights_changed is not None:
-        await door.weights_changed(path, version, keep_kv, request.headers.get("authorization", ""))
+        await door.weights_changed(path, version, keep_kv, request.headers.get("authorization", ""), proof)
 
 
 async def pause(request: Request, door: FrontDoor) -> Response:
