@@ -1,12 +1,18 @@
 """Weight updates and the policy version of one bridge's replicas.
 
-Invariants:
-- versions only move forward: one update at a time, each strictly greater than the current version;
-- a checkpoint is checked before anything pauses (``prepare``: files complete, the served model's tensors, shapes
-  and dtypes, a content digest) where the engine loads it from a filesystem the bridge shares;
-- replicas never serve mixed versions: a replica whose update failed leaves rotation until an update
-  reaches it (``mark``; the health check keeps it out while it is behind), and the error says which
-  replicas were updated. A failed replica does not stop the update of the others.
+An update is prepare, apply, verify, then commit or roll back:
+
+- prepare, before anything pauses: the version, the caller's proof, and the checkpoint (``prepare``: the engine's
+  own check, files complete, the served model's tensors, shapes and dtypes, a content digest, where the engine
+  loads it from a filesystem the bridge shares);
+- apply and verify with no turn running (``exclusive`` outside a fleet, the fleet's barrier in one): each replica
+  loads, then each that can score proves what it serves (``core.proof``); the version commits only when all did;
+- any failure before the commit (a failed proof, a refusal, the caller gone) sends every replica the update
+  reached back to its previous checkpoint and version; a replica that cannot go back, or that failed to load or to
+  answer, is fenced (``tainted``: out of rotation, left out of ``version``) and the others go on;
+- a replica comes back into rotation only on the committed weights (``rejoin``, at the health check).
+
+Versions only move forward: one update at a time, each strictly greater than the current version.
 """
 
 from __future__ import annotations
