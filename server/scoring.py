@@ -2,7 +2,8 @@
 
 No episode, no sampling, no KV kept: the request is validated (InvalidArgument naming the field), refused
 with UNIMPLEMENTED when the engine lacks ``Capability.SCORE`` (or the part asked for), and scored on the
-least-loaded healthy replica, which counts the tokens as in-flight load while it works.
+least-loaded healthy replica, which counts the tokens as in-flight load while it works. A weight update that is
+applying or verifying new weights holds it back until it commits or rolls back (``Weights.stable``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ async def score_tokens(bridge: Bridge, request: pb.ScoreTokensRequest) -> pb.Sco
     scoring.validate(req, engine.info)
     replicas.begin(replica, len(req.token_ids))
     try:
-        result = await cast(Scorer, engine).score(req)
+        async with bridge.weights.stable():  # not on weights an update has loaded but not yet committed
+            result = await cast(Scorer, engine).score(req)
     finally:
         replicas.end(replica, len(req.token_ids))
     return pb.ScoreTokensResponse(

@@ -63,6 +63,11 @@ class Weights:
         self.removed: set[int] = set()  # replicas removed from the fleet (server.replicas): never updated
         self.tainted: set[int] = set()  # replicas fenced by an update: rejoin reloads and proves them first
         self.gate = asyncio.Lock()  # one update at a time, from before its pause (Bridge.update_weights)
+        self._steady = asyncio.Event()  # clear while an update applies and verifies: reads of the weights wait
+        self._steady.set()
+        self._reading = 0  # reads in progress (``stable``): an update waits for them before it loads
+        self._no_reads = asyncio.Event()
+        self._no_reads.set()
         self._lock = asyncio.Lock()
         self._served: dict[str, Manifest | None] = {}  # base checkpoint -> its manifest (None: not readable here)
         self._paths: dict[int, str] = {}  # replica -> the checkpoint it serves, once updated (its rollback target)
@@ -145,6 +150,20 @@ class Weights:
         weights is not reused: a new version salts the prefix cache anew)."""
         self.check(policy_version, reload=True)
         return await self._apply([e.info.base_weights for e in self.engines], policy_version, False, None)
+
+    @contextlib.asynccontextmanager
+    async def stable(self) -> AsyncIterator[None]:
+        """Around a read of the served weights outside a turn (ScoreTokens): never while an update applies, verifies
+        or rolls back, so what is read carries a committed version; an update waits for the reads in progress."""
+        await self._steady.wait()
+        self._reading += 1
+        self._no_reads.clear()
+        try:
+            yield
+        finally:
+            self._reading -= 1
+            if not self._reading:
+                self._no_reads.set()
 
     def serves(self, replica: int) -> str:
         """The checkpoint a replica serves ("" where unknown): the one it started from until an update."""
@@ -235,7 +254,9 @@ class Weights:
             previous, began, clock = self.version, time.time(), time.perf_counter()
             before = [(e.policy_version, self.serves(i)) for i, e in enumerate(self.engines)]
             attempted: list[int] = []
+            self._steady.clear()
             try:  # the pause proper: no replica generates from here to commit or rollback
+                await self._no_reads.wait()  # a ScoreTokens in progress ends on the weights it began on
                 done, failed = await self._load(paths, version, keep_kv, attempted)
                 self._phase("apply", time.perf_counter() - clock)
                 if not done:
@@ -255,6 +276,7 @@ class Weights:
                     ) from None
                 raise
             finally:
+                self._steady.set()  # (no await from here to the commit below)
                 self._phase("pause", time.perf_counter() - clock)
             for i in range(len(self.engines)):  # a replica out (fenced, removed) gets them when it rejoins
                 self._paths[i] = paths[i]

@@ -264,3 +264,23 @@ async def test_a_replica_that_cannot_prove_the_committed_weights_stays_out() -> 
     await b.update_weights(WeightUpdate("elsewhere", 1))  # labelled version 1, but not version 1's tables
     why = await bridge.weights.rejoin(1)
     assert why.startswith("fails the proof of version 1 even after reloading ckpt: probe token")
+
+
+async def test_score_tokens_waits_for_an_update_to_commit_and_an_update_for_the_scores_in_progress() -> None:
+    from proto.primerl.v1 import primerl_pb2 as pb
+    from server.scoring import score_tokens
+
+    a = toy()
+    bridge = Bridge([a], AdmissionConfig(), SamplingDefaults())
+    original = a.update_weights
+
+    async def slow_load(update: WeightUpdate) -> None:
+        await original(update)
+        await asyncio.sleep(0.3)  # loaded, not yet verified or committed
+
+    a.update_weights = slow_load  # type: ignore[method-assign]
+    update = asyncio.create_task(bridge.update_weights("ckpt", 0, False))
+    await asyncio.sleep(0.1)
+    scored = await score_tokens(bridge, pb.ScoreTokensRequest(token_ids=list(PROBE), start=1))
+    assert update.done() and scored.policy_version == 1  # it waited for the commit
+    assert list(scored.logprobs) == pytest.approx(await probe(a))
