@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -64,6 +65,17 @@ def start_bridge(
     # The HTTP front door stays off unless asked for (--http-port): two bench bridges must not race for port 8000.
     env = {"PRIMERL_HTTP__PORT": "0", **os.environ, **(env or {})}
     return subprocess.Popen([*cmd, *args], cwd=tree or BENCH.parent, env=env), port
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM every process, give each ``grace_s`` to exit, then kill what is left."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)
+        if proc.poll() is None:
+            proc.kill()
 
 
 def record(

@@ -50,7 +50,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import free_port, pct, record, start_bridge
+from bench._common import free_port, pct, record, start_bridge, stop_all
 from engines.http.wire import parse_prometheus
 from engines.launch import VllmProcess, provision_vllm
 from tests.integration.redis_proc import PrivateRedis
@@ -298,11 +298,7 @@ def peer(router: str, policy: str, replicas: list[VllmProcess], log: Path) -> It
         wait_http(f"http://127.0.0.1:{port}/v1/models", proc, f"{router} --policy {policy}")
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        if proc.poll() is None:
-            proc.kill()
+        stop_all([proc], 10)
 
 
 @contextlib.contextmanager
@@ -328,13 +324,7 @@ def bridges(n: int, events: bool, replicas: list[VllmProcess], redis_url: str) -
             wait_http(f"http://127.0.0.1:{metrics}/metrics", proc, "bridge", 300)
         yield [(port, metrics) for _, port, metrics in started]
     finally:
-        for proc, _, _ in started:
-            proc.terminate()
-        for proc, _, _ in started:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(20)
-            if proc.poll() is None:
-                proc.kill()
+        stop_all([proc for proc, _, _ in started], 20)
 
 
 def counters(replicas: list[VllmProcess]) -> dict[str, float]:

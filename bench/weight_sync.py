@@ -45,7 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import free_port, record, start_bridge
+from bench._common import free_port, record, start_bridge, stop_all
 from engines.launch import VllmProcess, provision_vllm
 from engines.model_store import ensure_converted, load_model_and_tokenizer
 from rl_client import AsyncBridgeClient, WeightProof, weight_proof
@@ -99,13 +99,7 @@ def bridges(engine: str, n: int, vllm_urls: list[str], redis_url: str) -> Iterat
             started.append((proc, port, metrics))
         yield [(port, metrics) for _, port, metrics in started]
     finally:
-        for proc, _, _ in started:
-            proc.terminate()
-        for proc, _, _ in started:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
-            if proc.poll() is None:
-                proc.kill()
+        stop_all([proc for proc, _, _ in started], 30)
 
 
 def phase_sums(metrics_port: int) -> dict[str, tuple[float, float]]:
