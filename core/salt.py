@@ -58,10 +58,11 @@ class CacheSalt:
 
 
 @functools.lru_cache(maxsize=4096)
-def salt_text(model: str, policy_version: int, tenant: str = "") -> str:
-    """``str(CacheSalt(model, policy_version, tenant=tenant))``, memoised: the bridge salts every turn, and the
-    (model, version, tenant) combinations in play are few."""
-    return str(CacheSalt(model, policy_version, tenant=tenant))
+def salt_text(model: str, policy_version: int, tenant: str = "", lora: str = "") -> str:
+    """``str(CacheSalt(model, policy_version, lora, tenant))``, memoised: the bridge salts every turn, and the
+    (model, version, adapter, tenant) combinations in play are few. ``lora``: the adapter version's served name
+    (``AdapterRef.served``), so KV of one adapter, or of one of its versions, is never matched by another."""
+    return str(CacheSalt(model, policy_version, lora, tenant))
 
 
 class SaltBook:

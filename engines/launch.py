@@ -65,22 +65,32 @@ def registration_url(port: int, replay: bool = True, events_port: int = 0) -> st
     return url + (f"&kv-events-replay=tcp://127.0.0.1:{ev + 1}" if replay else "")
 
 
-def vllm_command(model_dir: str, port: int, served_name: str = "smollm2") -> list[str]:
-    """A portable ``vllm serve`` command (GPU or CPU) with the RL flags, dev mode for weight reloads, and KV
-    events on loopback (the bridge's exact prefix index follows them)."""
+LORA_SLOTS = 4  # --max-loras: adapter versions served at once (two adapters, each with a new version loading)
+
+
+def lora_flags(rank: int) -> list[str]:
+    """vLLM's flags for LoRA adapters loaded at run time (``UpdateWeights`` with ``adapter``), up to ``rank``."""
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(LORA_SLOTS)] if rank else []
+
+
+def vllm_command(model_dir: str, port: int, served_name: str = "smollm2", lora_rank: int = 0) -> list[str]:
+    """A portable ``vllm serve`` command (GPU or CPU) with the RL flags, dev mode for weight reloads, KV events on
+    loopback (the bridge's exact prefix index follows them) and, with ``lora_rank``, runtime LoRA adapters."""
     flags = [part for flag in VLLM_RL_FLAGS for part in flag.split()]
+    lora_env = ["VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"] if lora_rank else []
     return [
-        "env", "VLLM_SERVER_DEV_MODE=1", "vllm", "serve", model_dir, "--served-model-name", served_name,
-        "--port", str(port), *flags, "--kv-events-config", kv_events_config(port),
+        "env", "VLLM_SERVER_DEV_MODE=1", *lora_env, "vllm", "serve", model_dir, "--served-model-name", served_name,
+        "--port", str(port), *flags, "--kv-events-config", kv_events_config(port), *lora_flags(lora_rank),
     ]  # fmt: skip
 
 
-def vllm_cpu_command(model_dir: str, port: int, served_name: str = "smollm2") -> list[str]:
+def vllm_cpu_command(model_dir: str, port: int, served_name: str = "smollm2", lora_rank: int = 0) -> list[str]:
     """This machine's vLLM (vllm-cpu venv) through scripts/serve_vllm.sh: the RL flags plus CPU settings."""
-    return ["env", f"PRIMERL_VLLM_SERVED_NAME={served_name}", str(SERVE_VLLM), model_dir, str(port)]
+    env = [f"PRIMERL_VLLM_SERVED_NAME={served_name}"] + ([f"PRIMERL_VLLM_LORA_RANK={lora_rank}"] if lora_rank else [])
+    return ["env", *env, str(SERVE_VLLM), model_dir, str(port)]
 
 
-def sglang_command(model_dir: str, port: int, served_name: str = "smollm2") -> list[str]:
+def sglang_command(model_dir: str, port: int, served_name: str = "smollm2", lora_rank: int = 0) -> list[str]:
     return [
         "python", "-m", "sglang.launch_server", "--model-path", model_dir, "--served-model-name", served_name,
         "--port", str(port), "--enable-metrics", "--enable-cache-report", "--skip-server-warmup",
@@ -88,16 +98,16 @@ def sglang_command(model_dir: str, port: int, served_name: str = "smollm2") -> l
     ]  # fmt: skip
 
 
-def trtllm_command(model_dir: str, port: int, served_name: str = "smollm2") -> list[str]:
+def trtllm_command(model_dir: str, port: int, served_name: str = "smollm2", lora_rank: int = 0) -> list[str]:
     return ["trtllm-serve", model_dir, "--port", str(port), "--backend", "pytorch"]
 
 
 COMMANDS = {"vllm": vllm_command, "sglang": sglang_command, "trtllm": trtllm_command}
 
 
-def launch_command(engine: str, model_dir: str, port: int, served_name: str = "smollm2") -> str:
+def launch_command(engine: str, model_dir: str, port: int, served_name: str = "smollm2", lora_rank: int = 0) -> str:
     """The shell command line of ``engine`` serving ``model_dir`` on ``port``."""
-    return shlex.join(COMMANDS[engine](model_dir, port, served_name))
+    return shlex.join(COMMANDS[engine](model_dir, port, served_name, lora_rank))
 
 
 def free_port() -> int:
@@ -208,6 +218,12 @@ def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     launch.add_argument("--port", type=int, default=8000, help="HTTP port of the engine")
     launch.add_argument("--served-name", default="smollm2", help="model name the engine serves")
+    launch.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="vllm: serve LoRA adapters loaded at run time (UpdateWeights with adapter) up to this rank (0: off)",
+    )
     launch.add_argument("--run", action="store_true", help="run the command in the foreground instead of printing it")
     launch.add_argument(
         "--local",
@@ -225,7 +241,15 @@ def run_engine_command(args: argparse.Namespace) -> int:
         print(f"primerl: {exc}", file=sys.stderr)
         return 2
     local_vllm = args.engine == "vllm" and args.local
-    command = (vllm_cpu_command if local_vllm else COMMANDS[args.engine])(model_dir, args.port, args.served_name)
+    if args.lora_rank and args.engine != "vllm":
+        print(f"primerl: --lora-rank is for vllm; {args.engine} is not launched with LoRA here", file=sys.stderr)
+        return 2
+    if args.lora_rank < 0:
+        print(f"primerl: --lora-rank must be >= 0, got {args.lora_rank}", file=sys.stderr)
+        return 2
+    command = (vllm_cpu_command if local_vllm else COMMANDS[args.engine])(
+        model_dir, args.port, args.served_name, args.lora_rank
+    )
     if args.engine in ("vllm", "sglang"):
         # serve_vllm.sh prints its own (its events port is PORT + 1 too, with replay: the same URL).
         print(

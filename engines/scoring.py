@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from core.errors import InvalidArgument, Unimplemented
-from core.types import Capability, EngineInfo, check_token_ids
+from core.types import AdapterRef, Capability, EngineInfo, check_token_ids
 
 if TYPE_CHECKING:
     import numpy as np
@@ -31,6 +31,7 @@ class ScoreRequest:
     start: int
     temperature: float = 1.0
     return_logits: bool = False
+    adapter: AdapterRef | None = None  # score with this LoRA adapter version (``Capability.LORA``)
 
     @property
     def scored(self) -> int:

@@ -108,12 +108,14 @@ class AsyncBridgeClient:
         env: str = "",
         env_task_id: str = "",
         env_seed: int | None = None,
+        adapter: str = "",
         timeout: float | None = None,
     ) -> Started:
         """Open an episode (or a GRPO group of ``group_size``) from token ids or chat messages.
 
         With ``env`` (an env hub environment, e.g. "sql-qa") the environment supplies the prompt
         (leave ``prompt`` and ``tools`` empty) and each ``step`` runs its tool loop on the bridge.
+        With ``adapter`` every turn samples with that LoRA adapter's current version (``update_weights(adapter=)``).
         """
         req = pb.StartEpisodeRequest(
             model=model,
@@ -124,6 +126,7 @@ class AsyncBridgeClient:
             metadata=dict(metadata or {}),
             env=env,
             env_task_id=env_task_id,
+            adapter=adapter,
         )
         if env_seed is not None:
             req.env_seed = env_seed
@@ -261,12 +264,19 @@ class AsyncBridgeClient:
         keep_kv: bool = False,
         model: str = "",
         proof: WeightProof | None = None,
+        adapter: str = "",
     ) -> int:
         """Load new weights on every replica; returns the new policy version. With ``proof``
         (``rl_client.proof.weight_proof``) every replica must match its logprobs, else every replica goes back to
-        the previous weights and the call fails (FAILED_PRECONDITION naming the replica)."""
+        the previous weights and the call fails (FAILED_PRECONDITION naming the replica). With ``adapter``:
+        ``checkpoint_path`` is a peft LoRA directory, loaded as that adapter's next version (its own versions) beside
+        the one serving, which keeps serving until the new one is proven (``proof``: the model with the adapter)."""
         req = pb.UpdateWeightsRequest(
-            model=model, checkpoint_path=checkpoint_path, policy_version=policy_version, keep_kv=keep_kv
+            model=model,
+            checkpoint_path=checkpoint_path,
+            policy_version=policy_version,
+            keep_kv=keep_kv,
+            adapter=adapter,
         )
         if proof is not None:
             req.probe_token_ids.extend(proof.token_ids)
@@ -303,11 +313,23 @@ class AsyncBridgeClient:
         return await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), 30.0)
 
     async def score_tokens(
-        self, token_ids: Sequence[int], start: int, *, temperature: float = 1.0, logits: bool = False, model: str = ""
+        self,
+        token_ids: Sequence[int],
+        start: int,
+        *,
+        temperature: float = 1.0,
+        logits: bool = False,
+        model: str = "",
+        adapter: str = "",
     ) -> pb.ScoreTokensResponse:
         """Teacher-forced logprobs of ``token_ids[start:]`` (``ScoreTokens``); no episode, no sampling."""
         req = pb.ScoreTokensRequest(
-            model=model, token_ids=list(token_ids), start=start, temperature=temperature, return_logits=logits
+            model=model,
+            token_ids=list(token_ids),
+            start=start,
+            temperature=temperature,
+            return_logits=logits,
+            adapter=adapter,
         )
         return await self._call(self._stub.ScoreTokens, req, None)
 

@@ -105,4 +105,5 @@ def trajectory(t: pb.Trajectory) -> Trajectory:
         duration_ms=t.duration_ms,
         raw_logprobs=np.asarray(t.raw_logprobs, dtype=np.float32) if t.raw_logprobs else None,
         kept_logmass=np.asarray(t.kept_logmass, dtype=np.float32) if t.kept_logmass else None,
+        adapter=t.adapter,
     )

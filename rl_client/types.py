@@ -109,6 +109,7 @@ class Trajectory:
     # Log of the probability mass the sampler kept (0: nothing cut; logprobs + kept_logmass = the untruncated
     # temperature-scaled logprob), NaN where not sampled or not asked; None if no turn asked (sampling.kept_mass).
     kept_logmass: npt.NDArray[np.float32] | None = None
+    adapter: str = ""  # the LoRA adapter every token was sampled with ("": the base); policy_versions are its versions
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])

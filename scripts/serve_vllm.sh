@@ -30,6 +30,8 @@
 #                          loopback, so the bridge's prefix index follows what vLLM really holds; 0: off.
 #   PRIMERL_VLLM_KV_EVENTS_PORT  the events' PUB port (default PORT+1); the replay socket is the next one.
 #                          The script prints the engine URL to register: URL#kv-events=...&kv-events-replay=...
+#   PRIMERL_VLLM_LORA_RANK 0 (default): no LoRA. N: serve LoRA adapters of rank <= N loaded at run time
+#                          (UpdateWeights with adapter: /v1/load_lora_adapter), up to 4 versions at once.
 #   VLLM_CPU_KVCACHE_SPACE KV cache size in GiB (default 2)
 #   VLLM_SERVER_DEV_MODE   1 (default here): /collective_rpc, /reset_prefix_cache, /pause,
 #                          /resume, /sleep, /weight_info, ... Set 0 to disable.
@@ -86,6 +88,13 @@ case "${PRIMERL_VLLM_EXECUTOR:-uni}" in
   mp) ;;
   *) die "PRIMERL_VLLM_EXECUTOR must be uni or mp" ;;
 esac
+
+LORA_RANK="${PRIMERL_VLLM_LORA_RANK:-0}"
+[[ "$LORA_RANK" =~ ^[0-9]+$ ]] || die "invalid PRIMERL_VLLM_LORA_RANK: $LORA_RANK"
+if (( LORA_RANK > 0 )); then
+  export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+  ARGS+=(--enable-lora --max-lora-rank "$LORA_RANK" --max-loras 4)
+fi
 
 HOST="${PRIMERL_VLLM_HOST:-127.0.0.1}"
 # Fail fast on a busy port rather than after the model has loaded.

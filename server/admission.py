@@ -4,18 +4,22 @@
 - staleness (DESIGN invariant 4): a Step on an episode that started more than ``max_staleness``
   policy versions before the current one is refused with FAILED_PRECONDITION naming both versions,
   so off-policy data is never silently mixed into a trajectory (0 = off);
-- context and episode length.
+- sampling parameters the engine can honour; context and episode length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from core.types import EngineInfo
+from core.types import EngineInfo, SamplingParams, check_capabilities
 from observability.metrics import BridgeMetrics
 from server.config import AdmissionConfig
 from server.episodes import Episode
 from server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+
+if TYPE_CHECKING:
+    from server.adapters import Adapters
 
 RETRY_AFTER_S = 0.1
 
@@ -51,18 +55,34 @@ class Admission:
         else:
             del self.inflight[tenant]
 
-    def check_fresh(self, episode: Episode, version: Callable[[], int]) -> None:
-        """Refuse a Step on an episode more than ``max_staleness`` versions behind the current ``version()``."""
+    def check_fresh(self, episode: Episode, version: Callable[[], int], adapters: Adapters | None = None) -> None:
+        """Refuse a Step on an episode more than ``max_staleness`` versions behind the current ``version()`` (an
+        episode on a LoRA adapter: its adapter's)."""
         bound = self.config.max_staleness
         if not bound:
             return
-        current = version()
+        current = adapters.ref(episode.adapter).version if episode.adapter and adapters is not None else version()
         if current - episode.start_version > bound:
             self.metrics.staleness_rejections.labels(self.info.model).inc()
             raise FailedPrecondition(
                 f"episode {episode.id!r} started at policy version {episode.start_version}, "
                 f"{current - episode.start_version} versions behind the current version {current} "
                 f"(admission.max_staleness = {bound}); end it and start a new one"
+            )
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """InvalidArgument naming the bad field; Unimplemented naming the engine and capability (e.g. min_p)."""
+        params.validate(self.info.vocab_size)
+        check_capabilities(self.info, params)
+        if params.max_tokens > self.config.max_tokens_per_turn:
+            raise InvalidArgument(
+                f"sampling.max_tokens = {params.max_tokens} exceeds the limit of "
+                f"{self.config.max_tokens_per_turn} tokens per turn"
+            )
+        if params.max_tokens >= self.info.max_model_len:
+            raise InvalidArgument(
+                f"sampling.max_tokens = {params.max_tokens} does not fit the context window of "
+                f"{self.info.max_model_len} tokens"
             )
 
     def check_length(self, total: int, what: str) -> None:

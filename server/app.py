@@ -122,8 +122,8 @@ class BridgeServer:
             bridge.metrics.engine_health[engine.info.replica] = ok
             behind = engine.policy_version < newest
             if ok and (behind or not bridge.router.replicas.healthy[i]) and i not in bridge.replicas.withdrawn:
-                try:  # back in rotation only on the committed weights
-                    detail = await bridge.weights.rejoin(i)
+                try:  # back in rotation only on the committed weights, with every committed LoRA adapter
+                    detail = await bridge.weights.rejoin(i) or await bridge.adapters.restore(i)
                 except Exception as exc:  # noqa: BLE001 - the health loop must outlive whatever a rejoin raises
                     detail = f"could not check its weights: {exc}"
                 ok = not detail

@@ -30,11 +30,12 @@ from dataclasses import replace
 from cache import CacheConfig
 from core.proof import WeightProof
 from core.salt import salt_text
-from core.types import Message, Origin, SamplingParams, check_capabilities, check_token_ids
+from core.types import Message, Origin, SamplingParams, check_token_ids
 from engines.base import Engine
 from envhub.config import EnvHubConfig
 from observability.metrics import BridgeMetrics
 from placement.routing import Router, RouteRequest, RoutingConfig
+from server.adapters import Adapters
 from server.admission import Admission
 from server.calls import EndRequest, EndResult, StartRequest, StartResult, StepRequest
 from server.config import AdmissionConfig, SamplingDefaults
@@ -88,10 +89,12 @@ class Bridge:
         # replica; failed replicas are out of rotation.
         self.router = Router(self.engines, cache or CacheConfig(), routing or RoutingConfig(), redis_url)
         self.speculation = speculation_for(speculation, [e.info for e in self.engines], self.tokenizer)
-        self.turns = Turns(self.engines, self.router, self.metrics, self.speculation, admission.max_tokens_per_episode)
         self.inspector = inspector if inspector is not None else EpisodeLog(InspectorConfig())  # the live inspector
-        self.weights = Weights(
-            self.engines, self.mark_replica, self.inspector.weights_updated, self.metrics.weight_update_phase
+        phase = self.metrics.weight_update_phase
+        self.weights = Weights(self.engines, self.mark_replica, self.inspector.weights_updated, phase)
+        self.adapters = Adapters(self.engines, self.weights.removed, phase)  # LoRA adapters, each its own version
+        self.turns = Turns(
+            self.engines, self.router, self.metrics, self.speculation, admission.max_tokens_per_episode, self.adapters
         )
         self.replicas = Replicas(self.engines, self.router, self.turns, self.weights)  # the fleet's replica API
         self._serving = asyncio.Event()  # cleared by pause(): new Steps wait for resume()
@@ -134,10 +137,9 @@ class Bridge:
         if self.fleet is not None:
             await self.fleet.start()
 
-    @staticmethod
-    def _salt(tenant: str, model: str, version: int) -> str:
-        """Salt of prefix-cache keys: per tenant and per policy version (stale KV is never matched)."""
-        return salt_text(model, version, tenant)
+    def _salt(self, tenant: str, model: str, version: int, adapter: str = "") -> str:
+        """Salt of prefix-cache keys: per tenant, policy version and adapter version (stale KV is never matched)."""
+        return salt_text(model, version, tenant, self.adapters.ref(adapter).served if adapter else "")
 
     def mark_replica(self, replica: int, healthy: bool, reason: str = "") -> None:
         """Take a replica out of rotation (a call failed, a health check did) or bring it back (``Replicas.mark``)."""
@@ -149,24 +151,15 @@ class Bridge:
 
     # -- validation ---------------------------------------------------------------------
 
-    def _check_model(self, model: str) -> str:
+    def _check_model(self, model: str, adapter: str = "") -> tuple[str, str]:
+        """(the model, the LoRA adapter or ""): ``model`` may name a loaded adapter, as on vLLM's OpenAI routes."""
+        if not adapter and self.adapters.known(model):
+            return self.info.model, model
         if model and model != self.info.model:
             raise InvalidArgument(f"unknown model {model!r}; this bridge serves {self.info.model!r}")
-        return self.info.model
-
-    def _check_sampling(self, params: SamplingParams) -> None:
-        params.validate(self.info.vocab_size)
-        check_capabilities(self.info, params)  # UNIMPLEMENTED naming engine and capability (min_p, raw_logprobs)
-        if params.max_tokens > self.admission.max_tokens_per_turn:
-            raise InvalidArgument(
-                f"sampling.max_tokens = {params.max_tokens} exceeds the limit of "
-                f"{self.admission.max_tokens_per_turn} tokens per turn"
-            )
-        if params.max_tokens >= self.info.max_model_len:
-            raise InvalidArgument(
-                f"sampling.max_tokens = {params.max_tokens} does not fit the context window of "
-                f"{self.info.max_model_len} tokens"
-            )
+        if adapter:
+            self.adapters.ref(adapter)  # InvalidArgument naming the loaded ones
+        return self.info.model, adapter
 
     def _render(self, messages: Sequence[Message], history: Sequence[int] | None, tools: Sequence[str]) -> list[int]:
         if self.tokenizer is None:
@@ -181,15 +174,15 @@ class Bridge:
     # -- StartEpisode -------------------------------------------------------------------
 
     async def start_episode(self, req: StartRequest) -> StartResult:
-        model = self._check_model(req.model)
+        model, adapter = self._check_model(req.model, req.adapter)
         if self.fleet is not None:  # the prompt's tokens are labelled with the fleet's version
             await self.fleet.before_turn()
         if not 1 <= req.group_size <= self.admission.max_group_size:
             raise InvalidArgument(f"group_size must be in [1, {self.admission.max_group_size}], got {req.group_size}")
         params = self.defaults.merge(req.sampling)
-        self._check_sampling(params)
+        self.admit.check_sampling(params)
         if req.env:
-            return await self._start_env_episodes(req, model, params)
+            return await self._start_env_episodes(req, model, adapter, params)
         if req.prompt_messages is not None:
             if not req.prompt_messages:
                 raise InvalidArgument("prompt_messages is empty: send at least one message")
@@ -201,13 +194,15 @@ class Bridge:
             raise InvalidArgument("the prompt is empty: set prompt_token_ids or prompt_messages")
         self.admit.check_length(len(prompt), "the prompt")
         self.store.admit(req.group_size, req.tenant, self.admission.max_episodes_per_tenant)
-        result = await self._add_episodes(req, model, params, prompt)
+        result = await self._add_episodes(req, model, adapter, params, prompt)
         await self.episodes.save_all([e for i in result.episode_ids if (e := self.store.peek(i)) is not None])
         if self.fleet is not None:
             await self.fleet.own(list(result.episode_ids))
         return result
 
-    async def _start_env_episodes(self, req: StartRequest, model: str, params: SamplingParams) -> StartResult:
+    async def _start_env_episodes(
+        self, req: StartRequest, model: str, adapter: str, params: SamplingParams
+    ) -> StartResult:
         if req.prompt_ids or req.prompt_messages is not None or req.tool_schemas:
             raise InvalidArgument(
                 f"environment {req.env!r} supplies the prompt and the tool schemas: leave prompt_token_ids, "
@@ -227,24 +222,24 @@ class Bridge:
         except BaseException:
             await close_all(sessions)
             raise
-        result = await self._add_episodes(req, model, params, prompt)
+        result = await self._add_episodes(req, model, adapter, params, prompt)
         self._envs.update(zip(result.episode_ids, sessions, strict=True))
         if self.fleet is not None:
             await self.fleet.own(list(result.episode_ids))
         return replace(result, env_task_id=sessions[0].task_id)
 
     async def _add_episodes(
-        self, req: StartRequest, model: str, params: SamplingParams, prompt: list[int]
+        self, req: StartRequest, model: str, adapter: str, params: SamplingParams, prompt: list[int]
     ) -> StartResult:
         group_id = req.group_id or f"grp-{uuid.uuid4().hex[:16]}"
         key = f"{req.tenant}/{group_id}"  # group ids are the client's: scoped by tenant
         shared = req.group_size > 1 or bool(req.group_id)
         first_id = self.store.new_id()
         est = len(prompt) + params.max_tokens
-        salt = self._salt(req.tenant, model, self.policy_version)
+        salt = self._salt(req.tenant, model, self.policy_version, adapter)
         route = RouteRequest(first_id, key if shared else "", prompt, salt, est, first_turn=True)
         replica = await self.router.place(route)
-        version = self.engines[replica].policy_version
+        version = self.adapters.ref(adapter).version if adapter else self.engines[replica].policy_version
         ids = []
         for i in range(req.group_size):
             member = params if params.seed is None else replace(params, seed=(params.seed + i) % 2**63)
@@ -252,6 +247,7 @@ class Bridge:
                 id=first_id if i == 0 else self.store.new_id(),
                 tenant=req.tenant,
                 model=model,
+                adapter=adapter,
                 group_id=group_id,
                 group_index=i,
                 replica=replica,
@@ -285,7 +281,7 @@ class Bridge:
             episode = handle.episode
             # The turn's one salt: routed with here, carried by its engine request (``Turns.open``).
             handle.salt_version = self.policy_version
-            handle.salt = self._salt(episode.tenant, episode.model, handle.salt_version)
+            handle.salt = self._salt(episode.tenant, episode.model, handle.salt_version, episode.adapter)
             await self.router.route(
                 episode, handle.observation, handle.params.max_tokens, handle.salt, episode.routing_group
             )
@@ -334,9 +330,9 @@ class Bridge:
         episode = self.store.get(req.episode_id, req.tenant)
         if episode.busy:
             raise EpisodeBusy(f"episode {episode.id!r} already has a Step in progress; wait for it to finish")
-        self.admit.check_fresh(episode, self._fleet_version)
+        self.admit.check_fresh(episode, self._fleet_version, self.adapters)
         params = episode.sampling.merge(req.sampling)
-        self._check_sampling(params)
+        self.admit.check_sampling(params)
         session = self._envs.get(episode.id)
         observation: list[int] = []
         if session is not None:
@@ -462,6 +458,7 @@ class Bridge:
         sessions, self._envs = list(self._envs.values()), {}
         await close_all(sessions)
         await self.router.close()
+        await self.adapters.close()
         if self.fleet is not None:
             await self.fleet.close()
 
@@ -473,10 +470,13 @@ class Bridge:
         model: str = "",
         mode: str = "keep",
         proof: WeightProof | None = None,
+        adapter: str = "",
     ) -> int:
         """Prepare (check the checkpoint and the proof, nothing paused), then apply and verify with no turn running
         (``server.weights``), commit or roll back; in a fleet as one fleet operation (``server.fleet.member``)."""
         self._check_model(model)
+        if adapter:  # a new version of a LoRA adapter beside the serving one, nothing paused (``server.adapters``)
+            return await self.adapters.update(adapter, checkpoint_path, policy_version, proof, self.fleet is not None)
         self.weights.check(policy_version, proof)
         began = time.perf_counter()
         await self.weights.prepare(checkpoint_path)

@@ -28,6 +28,7 @@ class StartRequest:
     env: str = ""  # an env hub environment: it supplies the prompt and Step runs its tool loop
     env_task_id: str = ""
     env_seed: int | None = None
+    adapter: str = ""  # a loaded LoRA adapter to sample with ("": the base model, unless ``model`` names an adapter)
 
 
 # What StartEpisode hands back: the trainer client's own result type (``rl_client.Started``).

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from core.types import FinishReason, Origin, SamplingParams, Usage
+from core.types import AdapterRef, FinishReason, Origin, SamplingParams, Usage
 from server.errors import NotFound, PermissionDenied, ResourceExhausted
 
 NAN = math.nan
@@ -39,6 +39,8 @@ class Turn:
     # The prefix-cache salt its engine request carries (``core.salt``), built once per turn: the one it was routed
     # with. Not persisted: a closed turn needs none.
     cache_salt: str = field(default="", compare=False)
+    # The LoRA adapter version the turn runs on, held from open to close (``server.adapters``). Not persisted.
+    adapter: AdapterRef | None = field(default=None, compare=False)
 
 
 @dataclass(eq=False, slots=True)
@@ -64,6 +66,7 @@ class Episode:
     # A GRPO group (or an explicit group id): engines may share the prompt's KV among its members.
     shares_prompt: bool = False
     tool_schemas: tuple[str, ...] = ()  # JSON schemas of the episode's tools (speculation drafts calls to them)
+    adapter: str = ""  # the LoRA adapter it samples with ("": the base model); its tokens carry the adapter's versions
     rev: int = 0  # revision of the persisted record this copy matches (server.persistence)
     persisted: bool = False
 

@@ -106,6 +106,7 @@ def encode(episode: Episode, rev: int) -> bytes:
         "prompt_length": episode.prompt_length,
         "shares_prompt": episode.shares_prompt,
         "tool_schemas": list(episode.tool_schemas),
+        "adapter": episode.adapter,
         "turns": turns,
         **{name: _pack(getattr(episode, name), dtype) for name, dtype in _ARRAYS.items()},
     }
@@ -131,6 +132,7 @@ def decode(data: bytes) -> tuple[Episode, int]:
         prompt_length=r["prompt_length"],
         shares_prompt=r["shares_prompt"],
         tool_schemas=tuple(r.get("tool_schemas", ())),
+        adapter=r.get("adapter", ""),
         turns=[
             Turn(
                 index=t["index"],

@@ -8,6 +8,7 @@ applying or verifying new weights holds it back until it commits or rolls back (
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import cast
 
 from engines import scoring
@@ -17,7 +18,7 @@ from server.bridge import Bridge
 
 
 async def score_tokens(bridge: Bridge, request: pb.ScoreTokensRequest) -> pb.ScoreTokensResponse:
-    bridge._check_model(request.model)
+    _, name = bridge._check_model(request.model, request.adapter)
     req = ScoreRequest(
         token_ids=tuple(request.token_ids),
         start=request.start,
@@ -28,15 +29,18 @@ async def score_tokens(bridge: Bridge, request: pb.ScoreTokensRequest) -> pb.Sco
     replica = replicas.least_loaded()
     engine = bridge.engines[replica]
     scoring.validate(req, engine.info)
+    adapter = bridge.adapters.acquire(name) if name else None  # held: not unloaded while it scores
     replicas.begin(replica, len(req.token_ids))
     try:
         async with bridge.weights.stable():  # not on weights an update has loaded but not yet committed
-            result = await cast(Scorer, engine).score(req)
+            result = await cast(Scorer, engine).score(replace(req, adapter=adapter))
     finally:
         replicas.end(replica, len(req.token_ids))
+        if adapter is not None:
+            bridge.adapters.release(adapter)
     return pb.ScoreTokensResponse(
         logprobs=result.logprobs.tolist(),
-        policy_version=result.policy_version,
+        policy_version=result.policy_version if adapter is None else adapter.version,
         replica=engine.info.replica,
         logits=result.logits.astype("<f4").tobytes() if result.logits is not None else b"",
         vocab_size=engine.info.vocab_size,

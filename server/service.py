@@ -42,6 +42,7 @@ _TRAJECTORY_FIELDS = (
     "prompt_length",
     "metadata",
     "group_index",
+    "adapter",
 )
 _TURN_FIELDS = ("observation_start", "generation_start", "end", "policy_version", "latency_ms", "ttft_ms")
 
@@ -129,6 +130,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                     env=request.env,
                     env_task_id=request.env_task_id,
                     env_seed=request.env_seed if request.HasField("env_seed") else None,
+                    adapter=request.adapter,
                 )
             )
         except Exception as exc:
@@ -294,14 +296,20 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         try:
             proof = WeightProof.of(request.probe_token_ids, request.probe_logprobs, request.probe_tolerance)
             version = await self.bridge.update_weights(
-                request.checkpoint_path, request.policy_version, request.keep_kv, request.model, proof=proof
+                request.checkpoint_path,
+                request.policy_version,
+                request.keep_kv,
+                request.model,
+                proof=proof,
+                adapter=request.adapter,
             )
         except Exception as exc:
             if self.bridge.policy_version != before:  # applied on some replicas: the client must not retry it
                 await context.send_initial_metadata(ACCEPTED_METADATA)
             await _abort(context, exc)
             raise
-        log.info("weights updated to policy version %d from %r", version, request.checkpoint_path)
+        what = f"adapter {request.adapter!r}" if request.adapter else "weights"
+        log.info("%s updated to policy version %d from %r", what, version, request.checkpoint_path)
         return pb.UpdateWeightsResponse(policy_version=version, replicas_updated=len(self.bridge.engines))
 
     async def ScoreTokens(
@@ -330,6 +338,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
                     eos_token_ids=b.info.eos_token_ids,
                     has_tokenizer=b.tokenizer is not None,
                     index_sources=[b.router.index_source(r) for r in range(len(b.engines))],
+                    adapters=b.adapters.versions(),
                 )
             ],
             limits=pb.Limits(

@@ -5,7 +5,7 @@ Invariants:
   never started): on cancel, deadline or engine failure its finish reason is ABORT, its partial
   tokens stay in the episode and the engine is told to abort;
 - tokens are appended as they stream, with logprob, origin and the policy version of the weights
-  that produced them;
+  that produced them (on a LoRA adapter: the adapter version the turn holds from open to close);
 - the engine's report (cached tokens, the blocks it now holds) confirms or drops what routing
   recorded, once the turn is closed;
 - a GRPO group's first turns on an engine without ``Capability.GROUP_PREFILL``: the first member to arrive
@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.salt import salt_text
 from core.types import Capability, FinishReason, GenerateRequest, Origin, SamplingParams, TokenChunk, Usage
@@ -30,6 +30,9 @@ from server.episodes import Episode, Turn
 from server.errors import DeadlineExceeded, EngineError
 from server.requestid import engine_request_id
 from speculation.factory import SpeculationFactory, record_masked_positions
+
+if TYPE_CHECKING:
+    from server.adapters import Adapters
 
 SEED_STRIDE = 7919  # an episode-level seed covers the whole episode: turn t samples with seed + t * SEED_STRIDE
 
@@ -44,8 +47,10 @@ class Turns:
         metrics: BridgeMetrics,
         speculation: SpeculationFactory | None,
         max_tokens_per_episode: int,
+        adapters: Adapters | None = None,
     ) -> None:
         self.engines = engines
+        self.adapters = adapters  # LoRA adapters: a turn on one holds its committed version from open to close
         self.info = engines[0].info
         self.router = router
         self.metrics = metrics
@@ -76,17 +81,21 @@ class Turns:
         if seed is not None and not step_seed:
             seed = (seed + len(episode.turns) * SEED_STRIDE) % 2**63
         version = self.engines[episode.replica].policy_version
-        if not salt or salt_version != version:
+        adapter = self.adapters.acquire(episode.adapter) if episode.adapter and self.adapters is not None else None
+        lora = adapter.served if adapter is not None else ""
+        if not salt or salt_version != version or adapter is not None:  # (an adapter commit may have come between)
             # Salted per tenant too: cached-token counts must not reveal another tenant's prompts.
-            salt = salt_text(episode.model, version, episode.tenant)
-        episode.append_unsampled(observation, Origin.ENV, version)
+            salt = salt_text(episode.model, version, episode.tenant, lora)
+        tokens_version = adapter.version if adapter is not None else version  # an adapter's tokens: its version
+        episode.append_unsampled(observation, Origin.ENV, tokens_version)
         turn = Turn(
             index=len(episode.turns),
             observation_start=total - len(observation),
             generation_start=total,
             end=total,
-            policy_version=version,
+            policy_version=tokens_version,
             cache_salt=salt,
+            adapter=adapter,
         )
         episode.turns.append(turn)
         if budget == params.max_tokens and seed == params.seed:  # nothing to change (most turns): no copy
@@ -121,6 +130,7 @@ class Turns:
             cache_salt=turn.cache_salt,
             drafter=drafter,
             constraint=constraint,
+            adapter=turn.adapter,
         )
 
     async def generate(
@@ -150,16 +160,13 @@ class Turns:
                             lead.set()
                         if turn.ttft_ms == 0.0:
                             turn.ttft_ms = (time.perf_counter() - turn.started) * 1e3
+                        # An adapter's tokens carry its version (the engine reports the base weights').
+                        version = chunk.policy_version if turn.adapter is None else turn.adapter.version
                         episode.append(
-                            chunk.token_ids,
-                            chunk.logprobs,
-                            origins,
-                            chunk.policy_version,
-                            chunk.raw_logprobs,
-                            chunk.kept_logmass,
+                            chunk.token_ids, chunk.logprobs, origins, version, chunk.raw_logprobs, chunk.kept_logmass
                         )
                         turn.end = len(episode.token_ids)
-                        turn.policy_version = chunk.policy_version
+                        turn.policy_version = version
                     raw, kept = chunk.raw_logprobs, chunk.kept_logmass
                     if chunk.finish_reason is None:
                         yield StepUpdate(chunk.token_ids, chunk.logprobs, origins, None, raw, kept_logmass=kept)
@@ -218,6 +225,8 @@ class Turns:
         if turn.finish_reason is not None:
             return
         turn.finish_reason = finish
+        if turn.adapter is not None and self.adapters is not None:
+            self.adapters.release(turn.adapter)
         turn.usage = usage or Usage(
             prompt_tokens=turn.generation_start, generated_tokens=turn.end - turn.generation_start
         )

@@ -43,6 +43,7 @@ GROUPS = {  # modules that share a session-scoped server: one unit, one worker, 
             "test_score_tokens_vllm",
             "test_control_vllm",
             "test_kv_event_index",
+            "test_lora_vllm",
         )
     ),
 }

@@ -30,6 +30,7 @@ import numpy as np
 from core.errors import EngineUnavailable, InvalidArgument
 from core.tasks import cancel_and_wait
 from core.types import (
+    AdapterRef,
     Capability,
     EngineCounters,
     EngineHealth,
@@ -40,6 +41,7 @@ from core.types import (
     check_token_ids,
 )
 from engines.config import EmbeddedConfig
+from engines.embedded.lora import read_adapter
 from engines.embedded.model import DEFAULT_MODEL_NAME, Loaded, Seq, load_model
 from engines.embedded.scheduler import Scheduler
 from engines.embedded.weights import read_checkpoint
@@ -159,10 +161,27 @@ class EmbeddedEngine:
         return self._scheduler.evict(episode_id)
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
-        """Teacher-forced logprobs on the worker, between two decode steps, under the weights of that moment."""
-        scheduler = self._scheduler
-        run = lambda: score_sync(self.model, request, scheduler.version)  # noqa: E731 - the version is read on the worker
+        """Teacher-forced logprobs on the worker, between two decode steps, under the weights of that moment (and the
+        request's LoRA adapter)."""
+        scheduler, adapter = self._scheduler, request.adapter
+
+        def run() -> ScoreResult:
+            with scheduler.lora.rows([adapter.served if adapter is not None else None]):
+                return score_sync(self.model, request, scheduler.version)  # the version is read on the worker
+
         return await asyncio.get_running_loop().run_in_executor(self._worker, run)
+
+    def check_adapter(self, path: str) -> None:
+        """The prepare phase of an adapter update (``server.adapters``): the directory, read and checked whole."""
+        read_adapter(self.model, path)
+
+    async def load_adapter(self, ref: AdapterRef, path: str) -> None:
+        """Serve a LoRA adapter version beside the others (only requests that name it use it)."""
+        layers = await asyncio.to_thread(read_adapter, self.model, path)
+        await asyncio.get_running_loop().run_in_executor(self._worker, self._scheduler.lora.load, ref.served, layers)
+
+    async def unload_adapter(self, ref: AdapterRef) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._worker, self._scheduler.lora.unload, ref.served)
 
     async def update_weights(self, update: WeightUpdate) -> None:
         state = await asyncio.to_thread(read_checkpoint, self.model, update.checkpoint_path)

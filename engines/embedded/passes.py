@@ -19,7 +19,13 @@ import numpy as np
 from core.types import EngineCounters
 from engines.embedded.invariant import InvariantCache, forward_rows
 from engines.embedded.kvcache import forward_with_cache, new_cache, pack_left, unpack_left
+from engines.embedded.lora import LoraBank
 from engines.embedded.model import Batch, Seq
+
+
+def _adapter(seq: Seq) -> str | None:
+    adapter = seq.request.adapter
+    return adapter.served if adapter is not None else None
 
 
 def _invariant(seq: Seq) -> InvariantCache:
@@ -36,6 +42,7 @@ class Passes:
         self.counters = counters
         self.invariant = invariant
         self.batch: Batch | None = None
+        self.lora = LoraBank(model)  # LoRA adapters, each row of a forward on its own (``engines.embedded.lora``)
 
     def prefill(self, seq: Seq) -> None:
         """Feed the tokens the KV does not cover (all of them without KV); keep the last position's logits."""
@@ -49,11 +56,13 @@ class Passes:
             seq.cached, new = 0, seq.ids
         if seq.produced:  # KV dropped mid-turn by a weight swap: recomputed under the new weights
             self.counters.extra["recomputed_tokens"] = self.counters.extra.get("recomputed_tokens", 0) + len(new)
-        if self.invariant:
-            seq.logits = forward_rows(self.model, seq.ids, _invariant(seq), rows_from=len(seq.ids) - 1)[0][-1]
-        else:
-            kw: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1}
-            seq.logits = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([new]), **kw).logits[0, -1]
+        with self.lora.rows([_adapter(seq)]):
+            if self.invariant:
+                seq.logits = forward_rows(self.model, seq.ids, _invariant(seq), rows_from=len(seq.ids) - 1)[0][-1]
+            else:
+                kw: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1}
+                out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([new]), **kw)
+                seq.logits = out.logits[0, -1]
         seq.cached = len(seq.ids)
         self.counters.forward_passes += 1
 
@@ -63,7 +72,8 @@ class Passes:
 
         if self.invariant:  # one forward per sequence: no row's result depends on who else is decoding
             for seq in seqs:
-                seq.logits = forward_rows(self.model, seq.ids, _invariant(seq))[0][-1]
+                with self.lora.rows([_adapter(seq)]):
+                    seq.logits = forward_rows(self.model, seq.ids, _invariant(seq))[0][-1]
                 seq.cached += 1
             self.counters.forward_passes += len(seqs)
             return
@@ -73,7 +83,8 @@ class Passes:
             if seq.in_batch:
                 self.unpack()
             assert seq.cache is not None
-            out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([[seq.ids[-1]]]), use_cache=True)
+            with self.lora.rows([_adapter(seq)]):
+                out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([[seq.ids[-1]]]), use_cache=True)
             seq.logits = out.logits[0, -1]
             seq.cached += 1
             return
@@ -83,14 +94,15 @@ class Passes:
         batch = self.batch
         assert batch is not None
         batch.mask = torch.cat([batch.mask, torch.ones(len(seqs), 1, dtype=batch.mask.dtype)], dim=1)
-        out = forward_with_cache(
-            self.model,
-            batch.cache,
-            input_ids=torch.tensor([[s.ids[-1]] for s in seqs]),
-            attention_mask=batch.mask,
-            position_ids=torch.tensor([[s.cached] for s in seqs]),
-            use_cache=True,
-        )
+        with self.lora.rows([_adapter(s) for s in seqs]):
+            out = forward_with_cache(
+                self.model,
+                batch.cache,
+                input_ids=torch.tensor([[s.ids[-1]] for s in seqs]),
+                attention_mask=batch.mask,
+                position_ids=torch.tensor([[s.cached] for s in seqs]),
+                use_cache=True,
+            )
         for i, seq in enumerate(seqs):
             seq.logits = out.logits[i, -1]
             seq.cached += 1
@@ -104,10 +116,12 @@ class Passes:
             self.unpack()
         assert seq.cache is not None
         feed = ([] if seq.logits is not None else [seq.ids[-1]]) + list(draft)
-        if self.invariant:
-            logits = forward_rows(self.model, seq.ids + list(draft), _invariant(seq))[0]
-        else:
-            logits = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([feed]), use_cache=True).logits[0]
+        with self.lora.rows([_adapter(seq)]):
+            if self.invariant:
+                logits = forward_rows(self.model, seq.ids + list(draft), _invariant(seq))[0]
+            else:
+                out = forward_with_cache(self.model, seq.cache, input_ids=torch.tensor([feed]), use_cache=True)
+                logits = out.logits[0]
         rows = ([seq.logits] if seq.logits is not None else []) + list(logits)
         seq.cached += len(feed)
         seq.logits = None

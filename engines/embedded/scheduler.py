@@ -63,6 +63,7 @@ from core.types import (
 from engines.config import EmbeddedConfig
 from engines.embedded.invariant import token_logprobs, wire_temperature
 from engines.embedded.kvcache import KVStore, Parked, cache_nbytes, common_prefix, fork
+from engines.embedded.lora import LoraBank
 from engines.embedded.model import Seq
 from engines.embedded.passes import Passes
 from engines.sampling import kept_logmass, raw_logprob, sample, unfiltered, verify
@@ -105,6 +106,11 @@ class Scheduler:
         self._passes = Passes(model, counters, config.batch_invariant)
         self._wake = asyncio.Event()
         self._invariant = config.batch_invariant  # deterministic mode: engines.embedded.invariant's forward
+
+    @property
+    def lora(self) -> LoraBank:
+        """The LoRA adapters its forwards apply (``engines.embedded.lora``)."""
+        return self._passes.lora
 
     @property
     def version(self) -> int:

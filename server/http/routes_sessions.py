@@ -16,7 +16,7 @@ import logging
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from core.errors import FailedPrecondition, NotFound
+from core.errors import FailedPrecondition, NotFound, Unimplemented
 from core.proof import WeightProof
 from core.types import SamplingOverrides
 from server.http.context import Caller, FrontDoor
@@ -81,6 +81,14 @@ async def update_weights(request: Request, door: FrontDoor) -> Response:
     body = await door.body(request, UpdateWeightsBody)
     door.admin(request, "update_weights")
     proof = WeightProof.of(body.probe_token_ids, body.probe_logprobs, body.probe_tolerance)
+    if body.adapter:
+        if door.weights_changed is not None:
+            raise Unimplemented("adapter updates with --workers > 1 are not supported yet: run one worker")
+        version = await door.bridge.update_weights(
+            body.weight_dir, body.policy_version, body.keep_kv, proof=proof, adapter=body.adapter
+        )
+        log.info("adapter %r updated to version %d from %r (HTTP)", body.adapter, version, body.weight_dir)
+        return JSONResponse({"status": "ok", "policy_version": version, "adapter": body.adapter})
     version = await door.bridge.update_weights(body.weight_dir, body.policy_version, body.keep_kv, proof=proof)
     log.info("weights updated to policy version %d from %r (HTTP)", version, body.weight_dir)
     await _on_other_workers(request, door, body.weight_dir, version, body.keep_kv, proof)

@@ -125,9 +125,9 @@ async def test_the_salt_is_built_once_per_turn_and_is_the_one_the_engine_gets(
     bridge = server.bridge
     built: list[tuple[str, int, str]] = []
 
-    def counting_salt_text(model: str, policy_version: int, tenant: str = "") -> str:
+    def counting_salt_text(model: str, policy_version: int, tenant: str = "", lora: str = "") -> str:
         built.append((model, policy_version, tenant))
-        return salt_text(model, policy_version, tenant)
+        return salt_text(model, policy_version, tenant, lora)
 
     for module in ("server.bridge", "server.turns"):  # every place that builds a salt
         monkeypatch.setattr(f"{module}.salt_text", counting_salt_text)

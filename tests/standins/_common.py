@@ -15,7 +15,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 
-from core.types import GenerateRequest, SamplingParams, TokenChunk
+from core.types import AdapterRef, GenerateRequest, SamplingParams, TokenChunk
 from engines.base import Engine
 
 
@@ -113,6 +113,7 @@ async def generate(
     *,
     cache_salt: str = "",
     received: list[GenerateRequest] | None = None,
+    adapter: AdapterRef | None = None,
 ) -> AsyncIterator[TokenChunk]:
     """Run the backing engine; the engine request is aborted if the consumer goes away.
 
@@ -121,7 +122,7 @@ async def generate(
     request handed to the backing engine (tests check what arrived end to end).
     """
     request = GenerateRequest(
-        request_id=rid or uuid.uuid4().hex, token_ids=tuple(ids), params=params, cache_salt=cache_salt
+        request_id=rid or uuid.uuid4().hex, token_ids=tuple(ids), params=params, cache_salt=cache_salt, adapter=adapter
     )
     if received is not None:
         received.append(request)

@@ -19,6 +19,10 @@ Follows ``../shared/reference/engine_api_contracts.md`` §2, quirks included:
   (the stand-in's reading of SGLang's stop trimming; the adapter always sends ``no_stop_trim``).
 * ``meta_info`` carries extra keys (``weight_version``, ``e2e_latency``) that clients must ignore.
 * Errors: HTTP 400 ``{"error":{"message":...}}``; inside a stream ``data: {"error":...}``.
+* LoRA (``--enable-lora``: ``lora=True``): ``POST /load_lora_adapter {lora_name, lora_path, pinned}`` and
+  ``/unload_lora_adapter {lora_name}`` answer ``{"success", "error_message", "loaded_adapters"}`` (400 on failure);
+  ``/generate`` names a loaded adapter in ``lora_path``. The backing engine serves it (the embedded engine: peft
+  adapters).
 
 Limits of the stand-in (rejected with HTTP 400 naming the field): ``text``/``input_embeds``
 prompts without a tokenizer, batched ``input_ids``, ``top_logprobs_num > 0``, and sampling
@@ -41,7 +45,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from core.errors import PrimeRLError
-from core.types import FinishReason, GenerateRequest, SamplingParams, WeightUpdate
+from core.types import AdapterRef, FinishReason, GenerateRequest, SamplingParams, WeightUpdate
 from engines.base import Engine
 from tests.standins._common import (
     Faults,
@@ -152,6 +156,10 @@ class SglangStandin:
     """Every /update_weights_from_disk body, plus ``running``: generations running when it arrived."""
     flushes: list[str] = field(default_factory=list)
     """Each radix-cache flush done, by what asked for it (``update_weights_from_disk`` or ``flush_cache``)."""
+    lora: bool = False
+    """Started with ``--enable-lora``: the LoRA routes load adapters into the backing engine."""
+    loras: dict[str, str] = field(default_factory=dict)
+    """Loaded LoRA adapters: name -> path."""
     _rids: dict[str, list[str]] = field(default_factory=dict)
 
     def app(self) -> Starlette:
@@ -166,6 +174,8 @@ class SglangStandin:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/abort_request", self.abort_request, methods=["POST"]),
                 Route("/update_weights_from_disk", self.update_weights_from_disk, methods=["POST"]),
+                Route("/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+                Route("/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
                 Route("/get_weight_version", self.get_weight_version, methods=["GET"]),
                 Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
@@ -260,6 +270,11 @@ class SglangStandin:
             params, options = self._params(sp, len(ids))
             if int(body.get("top_logprobs_num") or 0) > 0:
                 raise BadRequest("top_logprobs_num > 0 is not supported by this stand-in")
+            lora = body.get("lora_path")
+            if lora is not None and (not self.lora or lora not in self.loras):
+                why = "LoRA is not enabled (--enable-lora)" if not self.lora else f"loaded: {sorted(self.loras)}"
+                raise BadRequest(f"LoRA adapter {lora!r} is not loaded; {why}")
+            options["adapter"] = AdapterRef(lora, 0) if lora is not None else None
         except BadRequest as exc:
             return error_json(str(exc))
         if self.faults.first_byte_delay_s:
@@ -347,7 +362,9 @@ class SglangStandin:
         self.running += 1
         try:
             salt = options.get("cache_salt", "")
-            async for chunk in generate(self.engine, ids, params, rid, cache_salt=salt, received=self.received):
+            adapter = options.get("adapter")
+            chunks = generate(self.engine, ids, params, rid, cache_salt=salt, received=self.received, adapter=adapter)
+            async for chunk in chunks:
                 out_ids.extend(chunk.token_ids)
                 out_lps.extend(chunk.logprobs)
                 finish: dict[str, Any] | None = None
@@ -474,6 +491,35 @@ class SglangStandin:
         return JSONResponse(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body = await request.json()
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not self.lora:
+            return error_json("LoRA is not enabled: start the server with --enable-lora", 400)
+        if not isinstance(name, str) or not name or not isinstance(path, str):
+            return self._lora_answer(False, "lora_name and lora_path are required", 400)
+        if name in self.loras:
+            return self._lora_answer(False, f"The LoRA adapter {name!r} has already been loaded", 400)
+        try:
+            await self.engine.load_adapter(AdapterRef(name, 0), path)  # type: ignore[attr-defined]
+        except PrimeRLError as exc:
+            return self._lora_answer(False, f"Failed to load LoRA adapter {name!r}: {exc.message}", 400)
+        self.loras[name] = path
+        return self._lora_answer(True, "")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = await request.json()
+        name = body.get("lora_name")
+        if name not in self.loras:
+            return self._lora_answer(False, f"LoRA adapter {name!r} is not loaded", 400)
+        await self.engine.unload_adapter(AdapterRef(name, 0))  # type: ignore[attr-defined]
+        del self.loras[name]
+        return self._lora_answer(True, "")
+
+    def _lora_answer(self, success: bool, message: str, status: int = 200) -> Response:
+        answer = {"success": success, "error_message": message, "loaded_adapters": dict(self.loras)}
+        return JSONResponse(answer, status_code=status)
 
     async def get_weight_version(self, request: Request) -> Response:
         return JSONResponse({"weight_version": self.weight_version})

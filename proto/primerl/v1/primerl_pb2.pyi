@@ -336,6 +336,7 @@ class StartEpisodeRequest(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     ENV_TASK_ID_FIELD_NUMBER: _builtins.int
     ENV_SEED_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name; empty selects the server's default model."""
     group_size: _builtins.int
@@ -353,6 +354,10 @@ class StartEpisodeRequest(_message.Message):
     """The environment's task; empty picks one by env_seed. All members of a group get the same task."""
     env_seed: _builtins.int
     """Picks the task when env_task_id is empty (the first task when unset)."""
+    adapter: _builtins.str
+    """Sample with this LoRA adapter (loaded with UpdateWeights.adapter); empty: the base model, unless `model` names
+    a loaded adapter (as on vLLM's OpenAI routes). The episode's tokens carry the adapter's policy versions.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -383,10 +388,11 @@ class StartEpisodeRequest(_message.Message):
         env: _builtins.str = ...,
         env_task_id: _builtins.str = ...,
         env_seed: _builtins.int | None = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_env_seed", b"_env_seed", "env_seed", b"env_seed", "prompt", b"prompt", "prompt_messages", b"prompt_messages", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_env_seed", b"_env_seed", "env", b"env", "env_seed", b"env_seed", "env_task_id", b"env_task_id", "group_id", b"group_id", "group_size", b"group_size", "metadata", b"metadata", "model", b"model", "prompt", b"prompt", "prompt_messages", b"prompt_messages", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "tool_schemas_json", b"tool_schemas_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_env_seed", b"_env_seed", "adapter", b"adapter", "env", b"env", "env_seed", b"env_seed", "env_task_id", b"env_task_id", "group_id", b"group_id", "group_size", b"group_size", "metadata", b"metadata", "model", b"model", "prompt", b"prompt", "prompt_messages", b"prompt_messages", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "tool_schemas_json", b"tool_schemas_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__env_seed: _TypeAlias = _typing.Literal["env_seed"]  # noqa: Y015
     _WhichOneofArgType__env_seed: _TypeAlias = _typing.Literal["_env_seed", b"_env_seed"]  # noqa: Y015
@@ -799,6 +805,7 @@ class Trajectory(_message.Message):
     GROUP_INDEX_FIELD_NUMBER: _builtins.int
     RAW_LOGPROBS_FIELD_NUMBER: _builtins.int
     KEPT_LOGMASS_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     group_id: _builtins.str
     model: _builtins.str
@@ -808,6 +815,8 @@ class Trajectory(_message.Message):
     """Episode wall time from StartEpisode to EndEpisode, in milliseconds."""
     group_index: _builtins.int
     """Index of this episode within its GRPO group."""
+    adapter: _builtins.str
+    """The LoRA adapter every token was sampled with (empty: the base model); policy_versions are then its versions."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -866,10 +875,11 @@ class Trajectory(_message.Message):
         group_index: _builtins.int = ...,
         raw_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         kept_logmass: _abc.Iterable[_builtins.float] | None = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_ms", b"duration_ms", "episode_id", b"episode_id", "group_id", b"group_id", "group_index", b"group_index", "kept_logmass", b"kept_logmass", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "metadata", b"metadata", "model", b"model", "origins", b"origins", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "raw_logprobs", b"raw_logprobs", "rewards", b"rewards", "token_ids", b"token_ids", "turn_rewards", b"turn_rewards", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "duration_ms", b"duration_ms", "episode_id", b"episode_id", "group_id", b"group_id", "group_index", b"group_index", "kept_logmass", b"kept_logmass", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "metadata", b"metadata", "model", b"model", "origins", b"origins", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "raw_logprobs", b"raw_logprobs", "rewards", b"rewards", "token_ids", b"token_ids", "turn_rewards", b"turn_rewards", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -908,6 +918,7 @@ class UpdateWeightsRequest(_message.Message):
     PROBE_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PROBE_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROBE_TOLERANCE_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model to update; empty selects the default model."""
     checkpoint_path: _builtins.str
@@ -918,6 +929,12 @@ class UpdateWeightsRequest(_message.Message):
     """Keep KV computed under the old weights (off-policy reuse); default drops it."""
     probe_tolerance: _builtins.float
     """Largest |logprob difference| (nats) a replica may show; 0 = the default, 0.02 (fp32 engines; ~0.1 for bf16)."""
+    adapter: _builtins.str
+    """Load checkpoint_path (a peft LoRA adapter directory) as a new version of this adapter instead of new base
+    weights. Versions are the adapter's own (policy_version: 0 = its current + 1); the new version loads beside the
+    old one, is proven with the probe scored through the adapter, and only then serves new turns: nothing pauses,
+    and a failure leaves the old version serving.
+    """
     @_builtins.property
     def probe_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The proof each replica must give after loading, before the version is committed: the logprobs it assigns to
@@ -941,10 +958,11 @@ class UpdateWeightsRequest(_message.Message):
         probe_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         probe_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         probe_tolerance: _builtins.float = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_path", b"checkpoint_path", "keep_kv", b"keep_kv", "model", b"model", "policy_version", b"policy_version", "probe_logprobs", b"probe_logprobs", "probe_token_ids", b"probe_token_ids", "probe_tolerance", b"probe_tolerance"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "checkpoint_path", b"checkpoint_path", "keep_kv", b"keep_kv", "model", b"model", "policy_version", b"policy_version", "probe_logprobs", b"probe_logprobs", "probe_token_ids", b"probe_token_ids", "probe_tolerance", b"probe_tolerance"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -992,6 +1010,26 @@ Global___GetServerInfoRequest: _TypeAlias = GetServerInfoRequest  # noqa: Y015
 class ModelInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class AdaptersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     ENGINE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
@@ -1002,6 +1040,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     HAS_TOKENIZER_FIELD_NUMBER: _builtins.int
     INDEX_SOURCES_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     engine: _builtins.str
     vocab_size: _builtins.int
@@ -1023,6 +1062,10 @@ class ModelInfo(_message.Message):
         index (one replica, or cache.enabled = false).
         """
 
+    @_builtins.property
+    def adapters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """LoRA adapters loaded (UpdateWeights.adapter) -> the policy version each serves."""
+
     def __init__(
         self,
         *,
@@ -1036,10 +1079,11 @@ class ModelInfo(_message.Message):
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         has_tokenizer: _builtins.bool = ...,
         index_sources: _abc.Iterable[_builtins.str] | None = ...,
+        adapters: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "eos_token_ids", b"eos_token_ids", "has_tokenizer", b"has_tokenizer", "index_sources", b"index_sources", "max_model_len", b"max_model_len", "name", b"name", "policy_version", b"policy_version", "replicas", b"replicas", "supports_weight_updates", b"supports_weight_updates", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "engine", b"engine", "eos_token_ids", b"eos_token_ids", "has_tokenizer", b"has_tokenizer", "index_sources", b"index_sources", "max_model_len", b"max_model_len", "name", b"name", "policy_version", b"policy_version", "replicas", b"replicas", "supports_weight_updates", b"supports_weight_updates", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1112,6 +1156,7 @@ class ScoreTokensRequest(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     RETURN_LOGITS_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model to score with; empty selects the default model."""
     start: _builtins.int
@@ -1120,6 +1165,8 @@ class ScoreTokensRequest(_message.Message):
     """Temperature of the scored distribution (> 0); unset means 1 (the raw distribution)."""
     return_logits: _builtins.bool
     """Also return the logits that predicted each scored token (embedded engine only)."""
+    adapter: _builtins.str
+    """Score with this loaded LoRA adapter's current version (empty: the base model, unless `model` names one)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The whole sequence: context followed by the tokens to score."""
@@ -1132,10 +1179,11 @@ class ScoreTokensRequest(_message.Message):
         start: _builtins.int = ...,
         temperature: _builtins.float | None = ...,
         return_logits: _builtins.bool = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "temperature", b"temperature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "model", b"model", "return_logits", b"return_logits", "start", b"start", "temperature", b"temperature", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "adapter", b"adapter", "model", b"model", "return_logits", b"return_logits", "start", b"start", "temperature", b"temperature", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
