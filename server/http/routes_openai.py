@@ -294,4 +294,6 @@ async def models(request: Request, door: FrontDoor) -> Response:
         "max_model_len": info.max_model_len,
         "permission": [],
     }
-    return JSONResponse({"object": "list", "data": [card]})
+    # LoRA adapters as vLLM lists them: a model whose parent is the base; a call names one as its model.
+    loras = [{**card, "id": name, "parent": info.model} for name in door.bridge.adapters.versions()]
+    return JSONResponse({"object": "list", "data": [card, *loras]})

@@ -142,3 +142,34 @@ async def test_sglang_lora_routes_through_the_standin_and_trtllm_says_unimplemen
         for server in servers:
             await server.stop()
         await backing.close()
+
+
+async def test_openai_sdk_names_the_adapter_as_its_model(start_bridge: object, tmp_path: Path) -> None:
+    """The HTTP front door as vLLM users address LoRA: ``POST /update_weights`` with ``adapter``, the adapter listed
+    in ``GET /v1/models`` with the base model as parent, and an ``openai`` SDK completion with ``model`` = the
+    adapter's name sampling with it (greedy tokens equal peft's)."""
+    import httpx
+    import openai
+
+    from engines.launch import free_port
+
+    model_dir = Path(ensure_converted())
+    server, _ = await start_bridge(engine={"type": "embedded"}, http={"port": free_port()})  # type: ignore[operator]
+    base = f"http://127.0.0.1:{server.http_port}"
+    adapter = make_adapter(model_dir, tmp_path / "m", seed=11)
+    prompt = server.bridge.engines[0].tokenizer.encode(STORY)
+    async with httpx.AsyncClient(trust_env=False) as http:
+        bad = await http.post(f"{base}/update_weights", json={"weight_dir": str(tmp_path), "adapter": "math"})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        ok = await http.post(f"{base}/update_weights", json={"weight_dir": str(adapter), "adapter": "math"})
+        assert ok.status_code == 200 and ok.json()["policy_version"] == 1
+    sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="EMPTY", max_retries=0)
+    try:
+        listed = {m.id: m.model_extra.get("parent") for m in (await sdk.models.list()).data}
+        assert listed["math"] == server.bridge.info.model
+        out = await sdk.completions.create(
+            model="math", prompt=prompt, max_tokens=N, temperature=0, extra_body={"return_token_ids": True}
+        )
+        assert out.choices[0].model_extra["token_ids"] == greedy(with_adapter(model_dir, adapter), prompt, N)
+    finally:
+        await sdk.close()
