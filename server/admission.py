@@ -57,11 +57,12 @@ class Admission:
 
     def check_fresh(self, episode: Episode, version: Callable[[], int], adapters: Adapters | None = None) -> None:
         """Refuse a Step on an episode more than ``max_staleness`` versions behind the current ``version()`` (an
-        episode on a LoRA adapter: its adapter's)."""
+        episode on a LoRA adapter: its adapter's, which must still be loaded: InvalidArgument otherwise)."""
+        adapter = adapters.ref(episode.adapter) if episode.adapter and adapters is not None else None
         bound = self.config.max_staleness
         if not bound:
             return
-        current = adapters.ref(episode.adapter).version if episode.adapter and adapters is not None else version()
+        current = adapter.version if adapter is not None else version()
         if current - episode.start_version > bound:
             self.metrics.staleness_rejections.labels(self.info.model).inc()
             raise FailedPrecondition(

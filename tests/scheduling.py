@@ -44,6 +44,7 @@ GROUPS = {  # modules that share a session-scoped server: one unit, one worker, 
             "test_control_vllm",
             "test_kv_event_index",
             "test_lora_vllm",
+            "test_vllm_kill_during_update",
         )
     ),
 }
