@@ -322,6 +322,10 @@ async def main_async(args: argparse.Namespace) -> int:
             for engine in engines:
                 print(f"{engine}, 1 bridge: {args.updates} adapter updates, {args.concurrency} rollouts", flush=True)
                 url = server.url if server else ""
+                if url:  # the adapters are proven on the base model: undo the full-weight updates above
+                    body = {"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}, "timeout": 600}
+                    async with httpx.AsyncClient(trust_env=False) as http:
+                        (await http.post(f"{url}/collective_rpc", json=body, timeout=600)).raise_for_status()
                 adapted[f"{engine} adapter x1"] = await one_adapter(engine, args, url, redis.url, made)
         if args.soak:
             if server is not None:

@@ -30,8 +30,8 @@ from core.proof import WeightProof, default_probe, deviation
 from core.types import AdapterRef, Capability, check_adapter_name
 from engines.base import Engine
 from engines.scoring import ScoreRequest
-from server.errors import FailedPrecondition, InvalidArgument, PrimeRLError, Unimplemented
-from server.weights import MAX_POLICY_VERSION, _to_the_end
+from server.errors import EngineUnavailable, FailedPrecondition, InvalidArgument, PrimeRLError, Unimplemented
+from server.weights import MAX_POLICY_VERSION, Weights, _to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,16 @@ class Adapter:
 class Adapters:
     """The LoRA adapters a bridge's replicas serve, and the one path that changes them."""
 
-    def __init__(self, engines: Sequence[Engine], removed: set[int], phase: Callable[[str, float], None]) -> None:
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        weights: Weights,
+        phase: Callable[[str, float], None],
+        in_rotation: Callable[[int], bool] = lambda _replica: True,
+    ) -> None:
         self.engines = engines
-        self._removed = removed  # replicas removed from the fleet (``Weights.removed``): never loaded
+        self._weights = weights  # the base weights: removed and fenced replicas, and reads while they are stable
+        self._in_rotation = in_rotation  # a replica out of rotation gets the adapters when it rejoins (``restore``)
         self._phase = phase  # the metrics: primerl_weight_update_seconds{phase="adapter_..."}
         self.live: dict[str, Adapter] = {}  # name -> its committed version
         self._users: Counter[AdapterRef] = Counter()  # turns running on each loaded version
@@ -98,18 +105,23 @@ class Adapters:
 
     def _unload_later(self, ref: AdapterRef) -> None:
         self._retired.discard(ref)
-        task = asyncio.get_running_loop().create_task(self._unload(ref, self._replicas()))
+        replicas = [i for i in range(len(self.engines)) if i not in self._weights.removed]
+        task = asyncio.get_running_loop().create_task(self._unload(ref, replicas))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def _replicas(self) -> list[int]:
-        return [i for i in range(len(self.engines)) if i not in self._removed]
+        """The replicas an update loads on: those in rotation (one out gets the adapters at its rejoin)."""
+        w = self._weights
+        return [i for i in range(len(self.engines)) if i not in w.removed | w.tainted and self._in_rotation(i)]
 
     def check(self, name: str, policy_version: int, proof: WeightProof | None) -> int:
         """Before anything loads: the adapter's next version (``policy_version``, 0: current + 1), or InvalidArgument /
         Unimplemented naming what is wrong."""
         check_adapter_name(name)
         info = self.engines[0].info
+        if name == info.model:
+            raise InvalidArgument(f"adapter name {name!r} is the base model's: name the adapter something else")
         current = self.live[name].ref.version if name in self.live else 0
         version = policy_version or current + 1
         if version > MAX_POLICY_VERSION:
@@ -141,16 +153,19 @@ class Adapters:
         self._phase("adapter_prepare", time.perf_counter() - began)
         async with self._lock:
             version = self.check(name, policy_version, proof)  # another update may have landed meanwhile
-            ref, loaded = AdapterRef(name, version), []
+            ref, loaded, replicas = AdapterRef(name, version), [], self._replicas()
+            if not replicas:
+                raise EngineUnavailable(f"no replica is in rotation to load adapter {name!r} on; retry when one is")
             try:
-                mark = time.perf_counter()
-                for i in self._replicas():
-                    loaded.append(i)
-                    await self._load(i, ref, path)
-                self._phase("adapter_load", time.perf_counter() - mark)
-                mark = time.perf_counter()
-                proven = await self._verify(ref, loaded, proof)
-                self._phase("adapter_verify", time.perf_counter() - mark)
+                async with self._weights.stable():  # never beside a base update's apply, verify or rollback
+                    mark = time.perf_counter()
+                    for i in replicas:
+                        loaded.append(i)
+                        await self._load(i, ref, path)
+                    self._phase("adapter_load", time.perf_counter() - mark)
+                    mark = time.perf_counter()
+                    proven = await self._verify(ref, loaded, proof)
+                    self._phase("adapter_verify", time.perf_counter() - mark)
             except BaseException:
                 await _to_the_end(self._unload(ref, loaded))
                 raise

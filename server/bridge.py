@@ -92,7 +92,7 @@ class Bridge:
         self.inspector = inspector if inspector is not None else EpisodeLog(InspectorConfig())  # the live inspector
         phase = self.metrics.weight_update_phase
         self.weights = Weights(self.engines, self.mark_replica, self.inspector.weights_updated, phase)
-        self.adapters = Adapters(self.engines, self.weights.removed, phase)  # LoRA adapters, each its own version
+        self.adapters = Adapters(self.engines, self.weights, phase, self.router.replicas.ok)  # LoRA, own versions
         self.turns = Turns(
             self.engines, self.router, self.metrics, self.speculation, admission.max_tokens_per_episode, self.adapters
         )
@@ -474,7 +474,7 @@ class Bridge:
     ) -> int:
         """Prepare (check the checkpoint and the proof, nothing paused), then apply and verify with no turn running
         (``server.weights``), commit or roll back; in a fleet as one fleet operation (``server.fleet.member``)."""
-        self._check_model(model)
+        adapter = adapter or self._check_model(model)[1]  # (``model`` may name the adapter, as on OpenAI routes)
         if adapter:  # a new version of a LoRA adapter beside the serving one, nothing paused (``server.adapters``)
             return await self.adapters.update(adapter, checkpoint_path, policy_version, proof, self.fleet is not None)
         self.weights.check(policy_version, proof)

@@ -109,14 +109,17 @@ class StepHandle:
                 turn, params = self.turns.open(
                     episode, observation, self.params, self.step_seed, self.salt, self.salt_version
                 )
-                if observation:
-                    n = len(observation)
-                    yield StepUpdate(tuple(observation), (NAN,) * n, (Origin.ENV,) * n)
-                # aclosing: a Step closed mid-turn closes the turn now, not when the generator is collected.
-                stream = self.turns.generate(episode, turn, params, self.deadline, session.env.grammar)
-                async with aclosing(stream):
-                    async for update in stream:
-                        yield update if update.turn is None else replace(update, last=False)
+                try:  # a Step closed before or inside the turn closes it (ABORT): its adapter version is let go
+                    if observation:
+                        n = len(observation)
+                        yield StepUpdate(tuple(observation), (NAN,) * n, (Origin.ENV,) * n)
+                    # aclosing: a Step closed mid-turn closes the turn now, not when the generator is collected.
+                    stream = self.turns.generate(episode, turn, params, self.deadline, session.env.grammar)
+                    async with aclosing(stream):
+                        async for update in stream:
+                            yield update if update.turn is None else replace(update, last=False)
+                finally:
+                    self.turns.close(turn, FinishReason.ABORT, None)  # (a no-op for a turn already closed)
                 turns += 1
                 if turn.finish_reason == FinishReason.ABORT:  # the engine aborted it: the next Step continues it
                     break

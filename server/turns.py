@@ -194,8 +194,10 @@ class Turns:
             if request.constraint is not None:  # (again on the normal path: the merge is idempotent)
                 record_masked_positions(episode.metadata, request.constraint, len(episode.token_ids))
             if turn.finish_reason is None:  # cancelled, timed out or failed: keep what we have
-                self.close(turn, FinishReason.ABORT, last.usage if last else None)
-                await asyncio.shield(engine.abort(request.request_id))
+                try:  # the engine stops first: the turn's adapter version is let go (``close``) only then
+                    await asyncio.shield(engine.abort(request.request_id))
+                finally:
+                    self.close(turn, FinishReason.ABORT, last.usage if last else None)
             await stream.aclose()
             if route is not None and self.router.index is not None:
                 await asyncio.shield(self._report(episode, turn, route))

@@ -43,7 +43,6 @@ GROUPS = {  # modules that share a session-scoped server: one unit, one worker, 
             "test_score_tokens_vllm",
             "test_control_vllm",
             "test_kv_event_index",
-            "test_lora_vllm",
             "test_vllm_kill_during_update",
         )
     ),

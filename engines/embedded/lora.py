@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     import torch
 
 PEFT_PREFIX = "base_model.model."
-_UNSUPPORTED = ("use_dora", "modules_to_save", "layers_to_transform", "fan_in_fan_out")
+_UNSUPPORTED = (
+    "use_dora", "modules_to_save", "layers_to_transform", "fan_in_fan_out", "alpha_pattern", "rank_pattern",
+)  # fmt: skip
 
 
 def read_adapter(model: Any, path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -41,7 +43,10 @@ def read_adapter(model: Any, path: str) -> dict[str, tuple[torch.Tensor, torch.T
     for key in _UNSUPPORTED:
         if cfg.get(key):
             raise InvalidArgument(f"{d / ADAPTER_CONFIG}: {key} = {cfg[key]!r} is not supported by the embedded engine")
-    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha") or cfg["r"])
+    try:
+        rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha") or cfg["r"])
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{d / ADAPTER_CONFIG}: lora_alpha {cfg.get('lora_alpha')!r} is not a number") from None
     scale = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
     tensors = load_file(str(Path(d) / ADAPTER_WEIGHTS))
     modules = dict(model.named_modules())
@@ -109,7 +114,7 @@ class LoraBank:
             if x.shape[0] != len(rows):
                 raise RuntimeError(f"LoRA rows: a forward of {x.shape[0]} rows was told of {len(rows)}")
             for served in set(rows) - {None}:
-                ab = self.adapters[served].get(name)  # type: ignore[index]
+                ab = self.adapters.get(served, {}).get(name)  # type: ignore[arg-type]
                 if ab is None:
                     continue
                 idx = [i for i, r in enumerate(rows) if r == served]

