@@ -282,11 +282,10 @@ class VllmEngine(OpenAICompletionsEngine):
                         yield chunk
                     continue
                 # A plain streamed stretch, dropped as soon as the drafter has a draft again.
-                budget = turn.budget() + 1
                 sub = GenerateRequest(
                     f"{request.request_id}-p{step}",
                     tuple(turn.history),
-                    dataclasses.replace(p, max_tokens=budget),
+                    dataclasses.replace(p, max_tokens=turn.budget() + 1),
                     adapter=request.adapter,
                 )
                 bump("spec_requests")
