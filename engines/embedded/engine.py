@@ -180,6 +180,11 @@ class EmbeddedEngine:
         layers = await asyncio.to_thread(read_adapter, self.model, path)
         await asyncio.get_running_loop().run_in_executor(self._worker, self._scheduler.lora.load, ref.served, layers)
 
+    @property
+    def loaded_adapters(self) -> frozenset[str]:
+        """The adapter versions it serves now, by served name (as vLLM's ``/v1/models`` lists its LoRAs)."""
+        return frozenset(self._scheduler.lora.adapters)
+
     async def unload_adapter(self, ref: AdapterRef) -> None:
         await asyncio.get_running_loop().run_in_executor(self._worker, self._scheduler.lora.unload, ref.served)
 

@@ -118,7 +118,6 @@ class RemoteEngine:
         self._idle = asyncio.Event()  # set while no generation is in flight
         self._idle.set()
         self._update_lock = asyncio.Lock()
-        self._loras_loaded = False  # a LoRA adapter was loaded: the server runs with LoRA on (engines.http.vllm)
         self._start_problem = ""
         self._explicit_model = bool(model or config.served_model_name)
         self.counters = EngineCounters()

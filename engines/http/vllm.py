@@ -139,6 +139,7 @@ class VllmEngine(OpenAICompletionsEngine):
         }
     )
     config: VllmConfig
+    _loras_loaded: bool = False  # an adapter was loaded here: the server runs with LoRA on (``score``)
 
     def declared_capabilities(self) -> frozenset[Capability]:
         """Drafts are verified (greedy turns) only with ``vllm.verify_drafts``; checkpoints are checked on the

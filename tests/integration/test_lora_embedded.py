@@ -83,7 +83,7 @@ async def test_two_adapters_in_one_batch_match_peft(start_bridge: object, tmp_pa
         await client.update_weights(str(bad), adapter="a")
     assert dict((await client.server_info()).models[0].adapters) == {"a": 2, "b": 2}
     assert (await episode("a"))[0] == want["a", 2]
-    assert set(engine._scheduler.lora.adapters) == {"a@v2", "b@v2"}  # the versions before were unloaded
+    assert engine.loaded_adapters == {"a@v2", "b@v2"}  # the versions before were unloaded
 
 
 async def test_sglang_lora_routes_through_the_standin_and_trtllm_says_unimplemented(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from core.salt import salt_text
 from engines import make_engines
 from engines.config import EngineConfig
 from engines.launch import VllmProcess, provision_vllm
@@ -183,7 +184,7 @@ async def test_the_index_never_credits_one_adapters_blocks_to_another(
 
         async def indexed(adapter: str) -> dict[int, int]:
             """The prompt's leading blocks the index holds per replica, under ``adapter``'s salt."""
-            salt = bridge._salt("", bridge.info.model, bridge.policy_version, adapter)
+            salt = salt_text(bridge.info.model, bridge.policy_version, "", bridge.adapters.ref(adapter).served)
             return (await index.lookup(fingerprinter.hashes(prompt, salt))).blocks
 
         first = await cached("ta")  # the prompt's blocks, under ta, on one replica: in the index and in vLLM
