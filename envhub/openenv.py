@@ -40,6 +40,7 @@ from core.errors import FailedPrecondition, InvalidArgument, PrimeRLError, ToolE
 from core.errors_http import json_error
 from core.types import Message
 from envhub.base import Environment
+from envhub.openenv_guard import ActionTypeGuard
 from envhub.types import JSON, Action, EnvState, FinalAnswer, ResetResult, StepResult, ToolCall, ToolSpec
 
 T = TypeVar("T")
@@ -181,6 +182,7 @@ def create_app(factory: Callable[[], Environment], name: str = "envhub") -> Fast
         return json_error(exc, {"error": str(exc), "code": grpc_code_name(exc)})
 
     app.add_exception_handler(PrimeRLError, hub_error)
+    app.add_middleware(ActionTypeGuard)
     return app
 
 

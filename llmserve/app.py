@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field
 
 from core.errors import PrimeRLError
 from core.errors_http import json_error
+from envhub.openenv_guard import ActionTypeGuard
 from llmserve.agents import make_agent
 from llmserve.env import EpisodeArchive, EpisodeFinishedError, EpisodeNotStartedError, LLMServeEnvironment
 from llmserve.grader import EpisodeLogError, grade, run_agent
@@ -115,6 +116,7 @@ def build_app(archive: EpisodeArchive | None = None) -> FastAPI:
     app.add_exception_handler(EpisodeFinishedError, finished)
     app.add_exception_handler(EpisodeNotStartedError, finished)
     app.add_exception_handler(PrimeRLError, coded)
+    app.add_middleware(ActionTypeGuard)  # openenv-core 0.3.0 answers 500 to an object or array action.type
 
     @app.get("/tasks", tags=["LLMServeEnv"])
     def tasks() -> dict[str, Any]:

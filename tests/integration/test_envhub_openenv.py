@@ -65,6 +65,11 @@ async def test_http_surface_and_errors(server: str) -> None:
         assert early.status_code == 409 and early.json()["code"] == "FAILED_PRECONDITION"
         both = await http.post("/step", json={"action": {"answer": "3", "tool": "sql_query"}})
         assert both.status_code == 400 and "exactly one" in both.json()["error"]
+        for kind, value in (("object", {"a": 1}), ("array", [1])):  # openenv-core 0.3.0 alone answers 500
+            typed = await http.post("/step", json={"action": {"answer": "3", "type": value}})
+            assert typed.status_code == 422 and f"not a JSON {kind}" in typed.text
+            assert typed.json()["detail"][0]["loc"] == ["body", "action", "type"]
+        assert (await http.get("/health")).json()["status"] == "healthy"
 
 
 async def test_ws_session_round_trip(server: str) -> None:

@@ -99,6 +99,8 @@ def test_bad_input_names_field_and_range_and_changes_nothing(url: str) -> None:
     assert resp.status_code == 422 and "batch_cap must be an integer in 1..512" in resp.text
     resp = httpx.post(f"{url}/step", json={"action": {"warp_drive": 1}}, timeout=10)
     assert resp.status_code == 422 and "warp_drive" in resp.text
+    resp = httpx.post(f"{url}/step", json={"action": {"batch_cap": 8, "type": {"x": []}}}, timeout=10)
+    assert resp.status_code == 422 and "action.type must be a string" in resp.text  # not openenv-core's 500
     resp = httpx.post(f"{url}/reset", json={"task_id": "nope"}, timeout=10)
     assert resp.status_code == 422 and all(t in resp.text for t in TASKS)
     good = ServeAction(batch_cap=32).model_dump(mode="json", exclude={"metadata"})
