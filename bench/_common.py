@@ -7,7 +7,6 @@ import datetime as dt
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from engines.launch import free_port
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "RESULTS.md"
@@ -36,12 +37,6 @@ def machine() -> str:
 
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_bridge(

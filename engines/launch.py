@@ -16,13 +16,13 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,10 +110,43 @@ def launch_command(engine: str, model_dir: str, port: int, served_name: str = "s
     return shlex.join(COMMANDS[engine](model_dir, port, served_name, lora_rank))
 
 
+PORT_FLOOR = 10_000  # free_ports picks from [PORT_FLOOR, the kernel's ephemeral range)
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (every outgoing connection's local port comes from it)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports that are free on loopback now (each bound, then released).
+
+    Picked at random below the ephemeral range where the kernel has one: a port that ``bind(0)`` hands out (and
+    the one after it) comes from the range every client socket of the machine draws from, so a test's server could
+    find it taken by someone's outgoing connection before it binds (a vLLM replica's KV-event replay socket, on the
+    events port + 1, failed so in a full run)."""
+    low, rng = _ephemeral_low(), random.SystemRandom()
+    for _ in range(200):
+        base = rng.randrange(PORT_FLOOR, low - count) if low > PORT_FLOOR + count else 0
+        with contextlib.ExitStack() as stack:
+            try:
+                first = stack.enter_context(socket.socket())
+                first.bind(("127.0.0.1", base))
+                base = int(first.getsockname()[1])
+                for port in range(base + 1, base + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free TCP ports on 127.0.0.1 after 200 tries")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on loopback now (``free_ports``)."""
+    return free_ports(1)
 
 
 def provision_vllm(timeout_s: float = 1800.0) -> Path:
@@ -152,7 +185,7 @@ class VllmProcess:
         """Start vLLM on ``port`` (a free one by default) with KV events on ``events_port`` (a free one by default;
         its replay socket on the next port) and ``extra_args`` appended; ``env`` adds variables."""
         port = port or free_port()
-        events_port = events_port or free_port()
+        events_port = events_port or free_ports(2)  # the replay socket binds the next one
         log = log_path.open("wb")
         proc = subprocess.Popen(
             [*vllm_cpu_command(model_dir, port, served_name), *extra_args],
@@ -166,11 +199,16 @@ class VllmProcess:
         return cls(proc, f"http://127.0.0.1:{port}", log_path, events_port)
 
     def log_tail(self, lines: int = 40) -> str:
+        """The log's last ``lines``, after its first error lines (vLLM's engine core logs the root cause of a failed
+        start long before the API server's traceback ends the log)."""
         try:
             with self.log_path.open("r", errors="replace") as f:
-                return "".join(deque(f, maxlen=lines))
+                log = f.readlines()
         except OSError:
             return ""
+        tail = log[-lines:]
+        first = [line for line in log[:-lines] if "ERROR" in line or "Error:" in line][:12]
+        return "".join(["first errors:\n", *first, "...\n", *tail] if first else tail)
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Poll /health and /v1/models until both answer 200; raise with the log tail if vLLM died."""

@@ -17,13 +17,13 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from core.errors import PrimeRLError
+from engines.launch import free_port
 from evals.registry import SHIPPED, load_registry, select
 from evals.runner import Checkpoint, format_table, run_eval
 from verifier.config import VerifierConfig
@@ -86,9 +86,7 @@ async def _bridge(target: str | None, engine: str) -> AsyncIterator[str]:
     if target:
         yield target
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--engine", engine, "--port", str(port), "--metrics-port", "0"]
     env = {**os.environ, "PRIMERL_HTTP__PORT": "0"}
     proc = await asyncio.to_thread(subprocess.Popen, [*cmd, "--log-level", "WARNING"], env=env)

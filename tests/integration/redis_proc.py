@@ -8,11 +8,7 @@ import subprocess
 import tempfile
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from engines.launch import free_port
 
 
 class PrivateRedis:

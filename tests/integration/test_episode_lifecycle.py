@@ -8,6 +8,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from engines.launch import free_port
 from engines.toy import ASSISTANT, END
 from rl_client import AsyncBridgeClient, BridgeClient, run_episodes
 from server import service
@@ -199,11 +200,7 @@ async def test_sync_client_and_session_cleanup(bridge: Bridge) -> None:
 
 
 async def test_client_retries_until_the_server_is_up(start_bridge) -> None:  # type: ignore[no-untyped-def]
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     client = AsyncBridgeClient(f"127.0.0.1:{port}", timeout=20)
 
     async def late_start() -> None:

@@ -12,7 +12,6 @@ each followed by a GetServerInfo check).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
+from engines.launch import free_port
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 
@@ -61,15 +61,9 @@ def sampling(draw: st.DrawFn) -> pb.SamplingParams:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def channel() -> Iterator[grpc.Channel]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--engine", "toy", "--port", str(port), "--metrics-port", "0"]
     # The bridge's log goes to a file: a pipe nobody reads until the end fills up (64 KiB) and blocks its writes.
     with tempfile.TemporaryFile("w+") as log:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import httpx
 import pytest
 import uvicorn
 
+from engines.launch import free_port
 from llmserve.app import build_app
 from llmserve.baselines import HeuristicAgent, RandomAgent
 from llmserve.client import LLMServeEnv
@@ -25,9 +25,7 @@ from llmserve.tasks import TASKS
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import httpx
 import pytest
 from playwright.async_api import Page, async_playwright
 
+from engines.launch import free_port
 from envhub.config import BrowserConfig
 
 OBSERVATION = re.compile(r'\{\s*"observation":.*?"done":\s*(?:true|false)\s*\}', re.S)
@@ -31,9 +31,7 @@ OBSERVATION = re.compile(r'\{\s*"observation":.*?"done":\s*(?:true|false)\s*\}',
 
 @pytest.fixture(scope="module")
 def web_url() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "ENABLE_WEB_INTERFACE": "true"}
     cmd = [sys.executable, "-m", "uvicorn", "llmserve.app:app", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env)

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from core.types import GenerateRequest, TokenChunk, Usage
 from engines.config import ToyConfig
+from engines.launch import free_port
 from engines.toy import ToyEngine
 from rl_client import AsyncBridgeClient, BridgeError
 from server.app import BridgeServer, create_server
@@ -58,12 +59,6 @@ class StatefulToy(ToyEngine):
     async def release(self, episode_id: str) -> None:
         self.held.pop(episode_id, None)
         self.counters.extra["kv_bytes"] = sum(self.held.values()) * KV_BYTES_PER_TOKEN
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def scrape(port: int) -> str:

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.launch import free_port
 from rl_client import BridgeClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,12 +33,6 @@ ENV = {k: v for k, v in ENV.items() if not k.startswith("PRIMERL_")}  # the comm
 def read_csv(path: Path) -> list[dict[str, str]]:
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(cmd: list[str], timeout: float, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:

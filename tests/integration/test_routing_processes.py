@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -20,6 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.launch import free_port
 from rl_client import AsyncBridgeClient
 from tests.integration.redis_proc import PrivateRedis
 
@@ -28,15 +28,9 @@ PROMPT = [1, 4, 30, 31, 32, 2, 5] * 6
 SAMPLING = {"max_tokens": 8, "ignore_eos": True, "seed": 1}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class BridgeProcess:
     def __init__(self, redis_url: str) -> None:
-        self.port, self.metrics_port = _free_port(), _free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         env = {
             **os.environ,
             "PRIMERL_ENGINE__TYPE": "toy",

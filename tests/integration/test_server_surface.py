@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from engines.launch import free_port
 from rl_client import AsyncBridgeClient
 from server.app import BridgeServer
 
@@ -31,9 +31,7 @@ async def test_health_serving_and_reflection(bridge: Bridge) -> None:
 
 
 async def test_cli_serves_and_stops_gracefully_on_sigterm(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = tmp_path / "bridge.toml"
     config.write_text('[engine]\ntype = "toy"\n[engine.toy]\nseed = 3\n[server]\nport = 1\n')
     env = {**os.environ, "PRIMERL_SERVER__PORT": "2"}  # env beats the file, the flag beats both

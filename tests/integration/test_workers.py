@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.launch import free_port, free_ports
 from proto.primerl.v1 import primerl_pb2 as pb
 from proto.primerl.v1 import primerl_pb2_grpc as pb_grpc
 from server.fleet.forward import Forwarder, OwnerUnreachable, Route, passthrough
@@ -38,26 +38,6 @@ PROMPT = [1, 4, 30, 31, 32, 2, 5]
 SAMPLING = pb.SamplingParams(max_tokens=6, ignore_eos=True, seed=7)
 SERVICE = "primerl.v1.PrimeRL"
 HOP = (("primerl-hop", "1"),)  # what the front server adds to every call it forwards
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _free_pair() -> int:
-    """A port p with p + 1 free too (a worker i serves /metrics on metrics.port + i)."""
-    for _ in range(100):
-        port = _free_port()
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("no two adjacent free ports")
 
 
 async def _front(target: str, forwarder: Forwarder) -> tuple[grpc.aio.Server, int]:
@@ -176,8 +156,8 @@ class Workers:
     """A real ``primerl serve --workers 2`` (toy engine, persistence in a private Redis) and its log."""
 
     def __init__(self, log_path: Path, redis_url: str, **extra: str) -> None:
-        self.port, self.log_path = _free_port(), log_path
-        self.http_port, self.metrics_port = _free_port(), _free_pair()
+        self.port, self.log_path = free_port(), log_path
+        self.http_port, self.metrics_port = free_port(), free_ports(2)  # worker i serves /metrics on metrics.port + i
         env = {
             **os.environ,
             "PRIMERL_HTTP__PORT": str(self.http_port),
