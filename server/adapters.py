@@ -24,7 +24,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from core.proof import WeightProof, default_probe, deviation
 from core.types import AdapterRef, Capability, check_adapter_name
@@ -43,6 +43,7 @@ class Adapter:
     ref: AdapterRef
     path: str
     proof: WeightProof | None
+    replicas: tuple[int, ...] = ()  # those it was loaded and proven on (a replica that rejoins loads it too)
 
 
 class Adapters:
@@ -170,7 +171,7 @@ class Adapters:
                 await _to_the_end(self._unload(ref, loaded))
                 raise
             old = self.live.get(name)
-            self.live[name] = Adapter(ref, path, proven)
+            self.live[name] = Adapter(ref, path, proven, tuple(loaded))
             if old is not None:
                 self._retire(old.ref)
         self._phase("adapter_total", time.perf_counter() - began)
@@ -181,12 +182,19 @@ class Adapters:
         """Before a replica comes back into rotation (``Weights.rejoin``): load every committed adapter version on it
         again (one that restarted lost them; loading one it holds is harmless). Returns why it stays out, or ""."""
         async with self._lock:
-            for adapter in list(self.live.values()):
+            for name, adapter in list(self.live.items()):
                 try:
                     await self.engines[replica].load_adapter(adapter.ref, adapter.path)  # type: ignore[attr-defined]
                 except PrimeRLError as exc:
                     return f"could not load adapter {adapter.ref.served!r} again: {exc.message}"
+                if replica not in adapter.replicas:
+                    self.live[name] = replace(adapter, replicas=(*adapter.replicas, replica))
         return ""
+
+    def serving(self, name: str) -> int:
+        """Replicas in the fleet and trusted that serve adapter ``name``'s committed version (``replicas_updated``)."""
+        adapter, out = self.live.get(name), self._weights.removed | self._weights.tainted
+        return sum(1 for i in adapter.replicas if i not in out) if adapter is not None else 0
 
     async def _load(self, i: int, ref: AdapterRef, path: str) -> None:
         engine = self.engines[i]

@@ -310,7 +310,10 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
             raise
         what = f"adapter {request.adapter!r}" if request.adapter else "weights"
         log.info("%s updated to policy version %d from %r", what, version, request.checkpoint_path)
-        return pb.UpdateWeightsResponse(policy_version=version, replicas_updated=len(self.bridge.engines))
+        adapters = self.bridge.adapters
+        name = request.adapter or (request.model if request.model in adapters.live else "")
+        serving = adapters.serving(name) if name else self.bridge.weights.serving(version)
+        return pb.UpdateWeightsResponse(policy_version=version, replicas_updated=serving)
 
     async def ScoreTokens(
         self, request: pb.ScoreTokensRequest, context: grpc.aio.ServicerContext

@@ -89,6 +89,11 @@ class Weights:
         trusted = [e.policy_version for i, e in enumerate(self.engines) if i not in self.tainted]
         return max(trusted or [e.policy_version for e in self.engines])
 
+    def serving(self, version: int) -> int:
+        """Replicas in the fleet and trusted that serve ``version`` (UpdateWeights' ``replicas_updated``)."""
+        out = self.removed | self.tainted
+        return sum(1 for i, e in enumerate(self.engines) if i not in out and e.policy_version == version)
+
     def _check(self, version: int) -> None:
         current = self.version
         if version > MAX_POLICY_VERSION:

@@ -57,6 +57,12 @@ class Progress:
         return text[len(sent) :]
 
 
+def _served_model(door: FrontDoor, model: str | None) -> str:
+    """The response's ``model``: the adapter's name when the call named a loaded LoRA adapter (as vLLM answers),
+    else the base model."""
+    return model if model and door.bridge.adapters.known(model) else door.bridge.info.model
+
+
 def _n(body: ChatBody | CompletionBody, session: Session) -> int:
     return body.n if "n" in body.model_fields_set or session.started else session.group_size
 
@@ -98,7 +104,11 @@ async def chat_completions(request: Request, door: FrontDoor) -> Response:
             c.message, back = assistant_message(door.runner.text(c), parse)
             c.session.messages = [*body.messages, back]
 
-    head = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()), "model": door.bridge.info.model}
+    head = {
+        "id": "chatcmpl-" + secrets.token_hex(12),
+        "created": int(time.time()),
+        "model": _served_model(door, body.model),
+    }
     headers = {SESSION_HEADER: session.id}
     chunks = _ChatChunks(door, body, choices, head, parse) if body.stream else None
     if streamed := await door.runner.respond(session, choices, call.stops, chunks, headers, on_done):
@@ -212,7 +222,11 @@ async def completions(request: Request, door: FrontDoor) -> Response:
     call = Call("completions", openai_sampling(body), _n(body, session), ids=ids, model=body.model or "",
                 stops=stops(body.stop))  # fmt: skip
     choices = await door.runner.begin(session, call)
-    head = {"id": "cmpl-" + secrets.token_hex(12), "created": int(time.time()), "model": door.bridge.info.model}
+    head = {
+        "id": "cmpl-" + secrets.token_hex(12),
+        "created": int(time.time()),
+        "model": _served_model(door, body.model),
+    }
     headers = {SESSION_HEADER: session.id}
     chunks = _CompletionChunks(door, body, choices, head) if body.stream else None
     if streamed := await door.runner.respond(session, choices, call.stops, chunks, headers):

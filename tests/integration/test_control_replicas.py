@@ -142,7 +142,7 @@ async def test_replicas_added_drained_and_removed_at_run_time(
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     updated = await stub.UpdateWeights(pb.UpdateWeightsRequest(model="toy", checkpoint_path=str(checkpoint)))
-    assert updated.policy_version == 1
+    assert updated.policy_version == 1 and updated.replicas_updated == 1  # r1 was removed: r0 alone took it
     assert (await stub.GetModel(cpb.GetModelRequest(model="toy"))).policy_version == 1
     started = await b.client.start_episode(_prompt(7), sampling=SHORT)
     assert started.policy_version == 1 and (await b.client.step(started.episode_id)).policy_version == 1

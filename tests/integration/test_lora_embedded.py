@@ -171,5 +171,12 @@ async def test_openai_sdk_names_the_adapter_as_its_model(start_bridge: object, t
             model="math", prompt=prompt, max_tokens=N, temperature=0, extra_body={"return_token_ids": True}
         )
         assert out.choices[0].model_extra["token_ids"] == greedy(with_adapter(model_dir, adapter), prompt, N)
+        assert out.model == "math"  # as vLLM answers: the adapter the call named
+        chat = await sdk.chat.completions.create(
+            model="math", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
+        assert chat.model == "math"
+        base_out = await sdk.completions.create(model=server.bridge.info.model, prompt=prompt, max_tokens=1)
+        assert base_out.model == server.bridge.info.model
     finally:
         await sdk.close()
