@@ -53,6 +53,12 @@ class StickyFallback(StickyEpisode):
         self.name = instead_of  # the configured policy stays the metric label; the reason says what ran
 
     def _decide(
-        self, replica: int, reason: str, matched: int = 0, hashes: Sequence[int] = (), prompt_tokens: int = 0
+        self,
+        replica: int,
+        reason: str,
+        matched: int = 0,
+        hashes: Sequence[int] = (),
+        prompt_tokens: int = 0,
+        confirmed: int | None = None,
     ) -> Decision:
-        return super()._decide(replica, "fallback_sticky", matched, hashes, prompt_tokens)
+        return super()._decide(replica, "fallback_sticky", matched, hashes, prompt_tokens, confirmed)
