@@ -75,6 +75,9 @@ class Needs:
     capability: Capability
 
 
+MIN_TEMPERATURE = 1e-5  # the smallest temperature > 0 sampled with (vLLM samples greedily below it)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling parameters, the one type from the trainer client to the engine.
@@ -129,6 +132,11 @@ class SamplingParams:
         """Raise InvalidArgument naming the first bad field."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidArgument(f"sampling.temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidArgument(
+                f"sampling.temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}: "
+                "logits divided by it overflow; send 0 for greedy decoding"
+            )
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

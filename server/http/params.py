@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from core.types import SamplingOverrides
+from core.types import MIN_TEMPERATURE, SamplingOverrides
 from server.http.errors import BadParam, error_for_validation
 from server.http.models import SEED, Sampling, _Open
 
@@ -39,6 +39,9 @@ class VllmSampling(_Open):
 
 
 def _overrides(s: Sampling | VllmSampling, max_tokens: int | None) -> SamplingOverrides:
+    if s.temperature is not None and 0 < s.temperature < MIN_TEMPERATURE:  # logits / it overflow
+        param = "sampling_params.temperature" if isinstance(s, VllmSampling) else "temperature"
+        raise BadParam(param, f"{param} must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {s.temperature}")
     top_k = s.top_k if s.top_k != -1 else 0  # vLLM: -1 disables top-k
     return SamplingOverrides(
         temperature=s.temperature,

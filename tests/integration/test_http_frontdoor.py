@@ -237,6 +237,7 @@ async def test_bad_input_is_a_400_naming_the_field(front: Any) -> None:
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ("/v1/chat/completions", {"messages": x, "temperature": "hot"}, "temperature"),
+        ("/v1/chat/completions", {"messages": x, "temperature": 2.2e-309}, "temperature"),  # found by the fuzzer: 500
         ("/v1/chat/completions", {"messages": x, "top_logprobs": 3}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": x, "presence_penalty": 1}, "presence_penalty"),
         ("/v1/completions", {"prompt": [[1], [2]]}, "prompt"),

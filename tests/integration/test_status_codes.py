@@ -55,6 +55,7 @@ async def end_when_idle(client: AsyncBridgeClient, episode_id: str):  # type: ig
         ([], None, ("prompt is empty",)),
         (PROMPT, {"temperature": -1.0}, ("sampling.temperature",)),
         (PROMPT, {"temperature": math.nan}, ("sampling.temperature",)),
+        (PROMPT, {"temperature": 1e-30}, ("sampling.temperature must be 0 (greedy) or at least 1e-05",)),
         (PROMPT, {"top_p": 0.0}, ("sampling.top_p must be in (0, 1]",)),
         (PROMPT, {"top_p": 1.5}, ("sampling.top_p",)),
         (PROMPT, {"top_k": -3}, ("sampling.top_k must be >= 0",)),
