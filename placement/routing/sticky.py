@@ -8,7 +8,7 @@ the substitution is visible on the routing-decisions series, never silent.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 from placement.routing.base import Decision, PolicyBase, RouteRequest
 from placement.routing.replicas import ReplicaSet
@@ -52,5 +52,13 @@ class StickyFallback(StickyEpisode):
         super().__init__(replicas, group_colocate)
         self.name = instead_of  # the configured policy stays the metric label; the reason says what ran
 
-    def _decide(self, replica: int, reason: str, *args: Any, **kwargs: Any) -> Decision:
-        return super()._decide(replica, "fallback_sticky", *args, **kwargs)
+    def _decide(
+        self,
+        replica: int,
+        reason: str,
+        matched: int = 0,
+        hashes: Sequence[int] = (),
+        prompt_tokens: int = 0,
+        confirmed: int | None = None,
+    ) -> Decision:
+        return super()._decide(replica, "fallback_sticky", matched, hashes, prompt_tokens, confirmed)
