@@ -59,31 +59,9 @@ class Match:
     blocks: dict[int, int] = field(default_factory=dict)
     ok: bool = True  # False: the index gave no information (fail open to load-only routing)
     looked_up: int = 0  # blocks examined
-    # Of those, the leading blocks confirmed (not provisional) per replica: what an engine whose KV events confirm
-    # its entries has cached now. A provisional block is one a routed turn is about to compute; a turn scheduled
-    # beside it reuses none of it. None: as ``blocks``.
-    confirmed: dict[int, int] | None = None
 
     def tokens(self, replica: int, block_size: int) -> int:
         return self.blocks.get(replica, 0) * block_size
-
-    def confirmed_tokens(self, replica: int, block_size: int) -> int:
-        held = self.blocks if self.confirmed is None else self.confirmed
-        return held.get(replica, 0) * block_size
-
-
-def leading_confirmed(
-    conf: dict[int, int], stopped: set[int], alive: set[int], row: dict[int, float], depth: int
-) -> None:
-    """One block of a lookup's walk: ``conf[r]`` becomes ``depth`` for each replica still matching whose leading
-    blocks are all confirmed so far (``row``: holder -> provisional-until, 0 when confirmed); a provisional
-    block stops its count (``stopped``)."""
-    for r in alive:
-        if r not in stopped:
-            if row.get(r, 0.0) == 0.0:
-                conf[r] = depth
-            else:
-                stopped.add(r)
 
 
 @dataclass(slots=True)
@@ -257,12 +235,8 @@ class MemoryIndex:
         first = self._holders.get(hashes[0])
         alive = {r for r, e in first.items() if e.until == 0.0 or e.until > now} if first else set()
         matched: dict[int, int] = {}
-        conf: dict[int, int] = {}
-        stopped: set[int] = set()
         i = 0
         if alive:
-            assert first is not None
-            leading_confirmed(conf, stopped, alive, {r: first[r].until for r in alive}, 1)
             # Only the replicas still matching are checked per block: O(blocks x matching replicas).
             for i in range(1, n):
                 holders = self._holders.get(hashes[i])
@@ -274,13 +248,11 @@ class MemoryIndex:
                     alive.discard(r)
                 if not alive:
                     break
-                leading_confirmed(conf, stopped, alive, {r: holders[r].until for r in alive}, i + 1)
             else:
                 i = n
         for r in alive:
             matched[r] = i
-        held = {r: b for r, b in matched.items() if b > 0}
-        return Match(held, True, min(i + 1, n), {r: conf[r] for r in held if r in conf})
+        return Match({r: b for r, b in matched.items() if b > 0}, True, min(i + 1, n))
 
     def record_now(self, replica: int, hashes: Sequence[int]) -> None:
         self._write(replica, hashes, True)

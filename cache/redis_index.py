@@ -58,7 +58,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from cache.config import CacheConfig
-from cache.index import IndexStats, Match, SyncOp, horizon, leading_confirmed
+from cache.index import IndexStats, Match, SyncOp, horizon
 from cache.redis_scripts import FORGET, LOOKUP, WRITE, decode, prefix
 
 log = logging.getLogger("primerl.cache")
@@ -68,11 +68,6 @@ _CHUNKS = (32, 128, 512)
 
 def _hprefix(config: CacheConfig) -> bytes:
     return f"{config.namespace()}:h{config.index_buckets.bit_length() - 1}:".encode()
-
-
-def _match(matched: dict[int, int], conf: dict[int, int], looked_up: int) -> Match:
-    held = {r: b for r, b in matched.items() if b > 0}
-    return Match(held, True, looked_up, {r: conf[r] for r in held if r in conf})
 
 
 def _blob(hashes: Sequence[int]) -> bytes:
@@ -208,8 +203,7 @@ class RedisIndex:
         raw = await self._walk(keys=[], args=[f"{now:.0f}", self.ns, self._hb, _blob(hashes)])
         self.stats.round_trips += 1
         it = iter(raw[1:])
-        triples = [(int(r), int(b), int(c)) for r, b, c in zip(it, it, it, strict=True)]
-        match = Match({r: b for r, b, _ in triples}, True, int(raw[0]), {r: c for r, _, c in triples if c > 0})
+        match = Match({int(r): int(b) for r, b in zip(it, it, strict=True)}, True, int(raw[0]))
         if self.cfg.near_cache_ttl_s > 0 and self.cfg.near_cache_entries > 0:
             self._answers[tail] = (now + self.cfg.near_cache_ttl_s * 1e3, match)
             self._answers.move_to_end(tail)
@@ -220,8 +214,6 @@ class RedisIndex:
     async def _lookup(self, hashes: Sequence[int]) -> Match:
         now = self.clock_ms()
         matched: dict[int, int] = {}
-        conf: dict[int, int] = {}
-        stopped: set[int] = set()
         alive: set[int] | None = None
         i = 0
         chunk_no = 0
@@ -257,12 +249,11 @@ class RedisIndex:
                     matched[r] = i
                 alive = nxt
                 if not alive:
-                    return _match(matched, conf, i + 1)
-                leading_confirmed(conf, stopped, alive, dict(row), i + 1)
+                    return Match({r: b for r, b in matched.items() if b > 0}, True, i + 1)
                 i += 1
         for r in alive or ():
             matched[r] = i
-        return _match(matched, conf, n)
+        return Match({r: b for r, b in matched.items() if b > 0}, True, n)
 
     def _near_get(self, h: int, now: float) -> tuple[tuple[int, float], ...] | None:
         if self.cfg.near_cache_ttl_s <= 0:

@@ -244,14 +244,14 @@ return total
 )
 
 # ARGV: now_ms, ns, block bucket bits, hashes (8 B LE each)
-#   -> {blocks examined, replica, matched, confirmed, replica, matched, confirmed, ...} (confirmed: Match.confirmed)
+#   -> {blocks examined, replica, matched, replica, matched, ...}
 LOOKUP = (
     _LIB
     + r"""
 local now, hb, blob = tonumber(ARGV[1]), tonumber(ARGV[3]), ARGV[4]
 local hprefix, hs0 = ARGV[2] .. ':h' .. hb .. ':', 1 + math.floor(hb / 8)
 local alive = nil
-local matched, conf, stopped = {}, {}, {}  -- conf: leading confirmed (not provisional) blocks per replica
+local matched = {}
 local examined = 0
 for i = 1, #blob / 8 do
   examined = i
@@ -265,9 +265,9 @@ for i = 1, #blob / 8 do
     if len == j + 7 and string.byte(rec, j) == 255 and string.byte(rec, j + 1) == 255 then j = len end
     while j < len do
       local hi, lo = string.byte(rec, j, j + 1)
-      local r, ok, prov = hi * 256 + lo, true, false
+      local r, ok = hi * 256 + lo, true
       if r >= 32768 then
-        r, ok, prov = r - 32768, u(rec, j + 2, 6) > now, true
+        r, ok = r - 32768, u(rec, j + 2, 6) > now
         j = j + 8
       else
         j = j + 2
@@ -275,9 +275,6 @@ for i = 1, #blob / 8 do
       if ok and (alive == nil or alive[r]) then
         live[r] = true
         any = true
-        if not stopped[r] then
-          if prov then stopped[r] = true else conf[r] = i end
-        end
       end
     end
   end
@@ -297,7 +294,6 @@ for r, b in pairs(matched) do
   if b > 0 then
     table.insert(out, r)
     table.insert(out, b)
-    table.insert(out, conf[r] or 0)
   end
 end
 return out

@@ -50,9 +50,6 @@ class Decision:
     reason: str = "load"
     hashes: tuple[int, ...] = ()
     prompt_tokens: int = 0  # the turn's prompt (history) length
-    # Of ``matched_tokens``, those whose index entries are confirmed (None: all). A replica whose KV events confirm its
-    # entries has exactly these cached now; the rest are blocks a routed turn is about to compute (Router.report).
-    confirmed_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -97,16 +94,10 @@ class PolicyBase:
         self.stats = RoutingStats()
 
     def _decide(
-        self,
-        replica: int,
-        reason: str,
-        matched: int = 0,
-        hashes: Sequence[int] = (),
-        prompt_tokens: int = 0,
-        confirmed: int | None = None,
+        self, replica: int, reason: str, matched: int = 0, hashes: Sequence[int] = (), prompt_tokens: int = 0
     ) -> Decision:
         self.stats.decisions[reason] = self.stats.decisions.get(reason, 0) + 1
-        return Decision(replica, matched, reason, tuple(hashes), prompt_tokens, confirmed)
+        return Decision(replica, matched, reason, tuple(hashes), prompt_tokens)
 
     async def observe(
         self,

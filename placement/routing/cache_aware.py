@@ -144,9 +144,8 @@ class CacheAware(PolicyBase):
         if gkey:
             self._keys[req.group_id] = gkey
         await self.index.record(r, hashes)
-        matched = match.tokens(r, self.fp.block_size) if match.ok else 0
-        confirmed = match.confirmed_tokens(r, self.fp.block_size) if match.ok else 0
-        return self._decide(r, reason, matched, hashes, req.n_prompt, confirmed)
+        matched = match.blocks.get(r, 0) * self.fp.block_size if match.ok else 0
+        return self._decide(r, reason, matched, hashes, req.n_prompt)
 
     async def observe(
         self,

@@ -17,9 +17,7 @@ placement plan's per-replica KV capacity sizes the index.
 A replica whose engine publishes KV events (``EngineInfo.kv_events``) has its entries kept by an
 ``EventIndexer`` (``cache/event_index.py``): stored blocks confirmed, evicted ones removed, a reset or
 restart dropping them all; routing still writes provisional entries for the turns in flight (an
-event confirms or evicts them; one nothing confirms expires after ``cache.provisional_ttl_s``). Such a
-replica's credited prefix (``report``, the index's prediction) is the confirmed part of the match: a block only
-routed there is still being computed, and a turn vLLM schedules beside the one computing it reuses none of it.
+event confirms or evicts them; one nothing confirms expires after ``cache.provisional_ttl_s``).
 
 Invariants: hashes are over the exact ids sent to the engine and salted per tenant, model and policy
 version (``core.salt.CacheSalt``), so after a weight update no turn is routed on KV of older
@@ -31,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -248,10 +245,6 @@ class Router:
         if indexer is not None:
             indexer.turn_served()
         learned = indexer is None or indexer.silent
-        if not learned and decision.confirmed_tokens is not None:
-            # The replica's events confirm what it has cached: that is the prefix it reuses. A block only routed
-            # there (provisional) belongs to a turn about to compute it; one scheduled beside it reuses none of it.
-            decision = dataclasses.replace(decision, matched_tokens=decision.confirmed_tokens)
         await self.policy.observe(decision, turn.usage.cached_tokens, ok=ok, held_hashes=held, learned=learned)
         return decision.matched_tokens
 

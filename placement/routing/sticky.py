@@ -53,12 +53,6 @@ class StickyFallback(StickyEpisode):
         self.name = instead_of  # the configured policy stays the metric label; the reason says what ran
 
     def _decide(
-        self,
-        replica: int,
-        reason: str,
-        matched: int = 0,
-        hashes: Sequence[int] = (),
-        prompt_tokens: int = 0,
-        confirmed: int | None = None,
+        self, replica: int, reason: str, matched: int = 0, hashes: Sequence[int] = (), prompt_tokens: int = 0
     ) -> Decision:
-        return super()._decide(replica, "fallback_sticky", matched, hashes, prompt_tokens, confirmed)
+        return super()._decide(replica, "fallback_sticky", matched, hashes, prompt_tokens)

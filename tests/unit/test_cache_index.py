@@ -26,18 +26,6 @@ def test_lookup_returns_leading_blocks_per_replica_and_stops_at_first_miss() -> 
     assert idx.lookup_now([7, 1, 2]).blocks == {}  # a chain only counts from its first block
 
 
-def test_confirmed_counts_stop_at_a_replicas_first_provisional_block() -> None:
-    idx = MemoryIndex(block_size=16, capacity=100)
-    idx.confirm_now(0, [1, 2])
-    idx.record_now(0, [1, 2, 3, 4])  # routed again: the confirmed two stay confirmed, 3 and 4 are provisional
-    idx.record_now(1, [1])
-    idx.confirm_now(1, [1, 2, 3])  # provisional block 1 confirmed by the engine, 2 and 3 new and confirmed
-    m = idx.lookup_now([1, 2, 3, 4])
-    assert m.blocks == {0: 4, 1: 3} and m.confirmed == {0: 2, 1: 3}
-    idx.confirm_now(0, [1, 2, 3, 4])
-    assert idx.lookup_now([1, 2, 3, 4]).confirmed == {0: 4, 1: 3}
-
-
 def test_provisional_entries_expire_unless_confirmed_and_can_be_dropped() -> None:
     clock = Clock()
     idx = MemoryIndex(block_size=16, capacity=100, provisional_ttl_s=5, clock=clock)
@@ -45,9 +33,6 @@ def test_provisional_entries_expire_unless_confirmed_and_can_be_dropped() -> Non
     idx.record_now(1, [1, 2, 3])
     assert idx.lookup_now([1, 2, 3]).blocks == {0: 3, 1: 3}
     idx.confirm_now(1, [1, 2])
-    both = idx.lookup_now([1, 2, 3])
-    assert both.blocks == {0: 3, 1: 3} and both.confirmed == {1: 2}  # replica 0's blocks are all provisional
-    assert (both.confirmed_tokens(1, 16), both.confirmed_tokens(0, 16), both.tokens(0, 16)) == (32, 0, 48)
     clock.t += 6
     assert idx.lookup_now([1, 2, 3]).blocks == {1: 2}
     idx.record_now(2, [1, 2])

@@ -116,31 +116,3 @@ async def test_the_placement_plan_sizes_the_index_per_replica(tmp_path: Path) ->
         Router(engines(3), CacheConfig(block_size=16), RoutingConfig(plan_file=plan), "")
     await router.close()
     await unsized.close()
-
-
-async def test_an_event_fed_replica_is_credited_only_the_blocks_its_events_confirmed() -> None:
-    """Exactness of the KV-event index: a prefix another turn is still computing (routed, provisional) is not credited
-    to a turn routed beside it (vLLM schedules both in one step; neither reuses the other's blocks), the part the
-    replica's events confirmed is; a replica without events is credited everything routed there, as before."""
-    from cache.event_index import EventIndexer
-    from core.salt import SaltBook
-    from core.types import FinishReason
-
-    for fed in (True, False):
-        router = Router(engines(2), CacheConfig(block_size=16), RoutingConfig(), "")
-        if fed:
-            router.events[0] = EventIndexer(0, router.index, router.fingerprinter, SaltBook())  # type: ignore[arg-type]
-        first, beside = episode("a", tokens=48), episode("b", tokens=48)
-        await router.route(first, [], 16, SALT, "")  # three provisional blocks for a's turn
-        hashes = router.routes["a"][0].hashes
-        router.index.confirm_now(0, hashes[:1])  # type: ignore[union-attr]  # its event: block 0 stored (so far)
-        await router.route(beside, [], 16, SALT, "")
-        decision = router.routes["b"][0]
-        assert (decision.matched_tokens, decision.confirmed_tokens) == (48, 16)
-        turn = SimpleNamespace(
-            finish_reason=FinishReason.LENGTH, generation_start=48, end=64, usage=SimpleNamespace(cached_tokens=16)
-        )
-        credited = await router.report(beside, turn, router.routes["b"])  # type: ignore[arg-type]
-        assert credited == (16 if fed else 48)
-        assert router.policy.stats.predictions == ({"exact": 1} if fed else {"over": 1})  # type: ignore[attr-defined]
-        await router.close()
