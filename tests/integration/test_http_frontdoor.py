@@ -372,4 +372,6 @@ async def test_an_engine_that_cannot_do_it_answers_501_with_openai_error_json(st
     _, _, base = await _open(start_bridge, engine={"type": "toy", "toy": {"supports_weight_updates": False}})
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         err = _error(await http.post("/update_weights", json={"weight_dir": "/x"}), 501)
+        lora = _error(await http.post("/update_weights", json={"weight_dir": "0", "adapter": "a"}), 501)  # fuzz-found
     assert err["type"] == "not_implemented_error" and "cannot load new weights" in err["message"]
+    assert lora["type"] == "not_implemented_error" and "cannot serve LoRA adapters" in lora["message"]

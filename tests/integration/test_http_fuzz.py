@@ -27,7 +27,6 @@ from server.http.openapi import build
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOKEN = "tok-fuzz"
@@ -103,6 +102,14 @@ def test_the_fuzzed_schema_is_the_served_one(bridge: BridgeThread) -> None:
 
 
 @schemathesis.check
+def no_server_error(ctx: Any, response: Any, case: Any) -> None:
+    """schemathesis' ``not_a_server_error``, except 501: the bridge's answer, by design (gRPC's UNIMPLEMENTED),
+    when the engine lacks a capability the request needs (found by a full run: an adapter update on the toy
+    engine, which serves no LoRA; ``test_adapter_errors.py`` pins that answer)."""
+    assert response.status_code < 500 or response.status_code == 501, (response.status_code, response.text)
+
+
+@schemathesis.check
 def openai_error_json(ctx: Any, response: Any, case: Any) -> None:
     """Every error is OpenAI's error JSON, ``code`` = the status (what the SDK parses into ``APIStatusError``)."""
     if response.status_code < 400:
@@ -121,7 +128,7 @@ def openai_error_json(ctx: Any, response: Any, case: Any) -> None:
 def test_no_server_error_and_openai_error_json(case: Any, bridge: BridgeThread) -> None:
     try:
         response = case.call(base_url=bridge.url, headers=AUTH, timeout=30)
-        case.validate_response(response, checks=[not_a_server_error, openai_error_json])
+        case.validate_response(response, checks=[no_server_error, openai_error_json])
     finally:
         if case.path == "/pause":  # never leave the bridge paused for the next operation
             bridge.run(_resume(bridge.server))
