@@ -311,7 +311,7 @@ class PrimeRLService(pb_grpc.PrimeRLServicer):
         what = f"adapter {request.adapter!r}" if request.adapter else "weights"
         log.info("%s updated to policy version %d from %r", what, version, request.checkpoint_path)
         adapters = self.bridge.adapters
-        name = request.adapter or (request.model if request.model in adapters.live else "")
+        name = request.adapter or (request.model if adapters.known(request.model) else "")  # as Bridge._check_model
         serving = adapters.serving(name) if name else self.bridge.weights.serving(version)
         return pb.UpdateWeightsResponse(policy_version=version, replicas_updated=serving)
 
