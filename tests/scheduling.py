@@ -65,9 +65,13 @@ _phases = pytest.StashKey[list[dict[str, object]]]()
 _started = pytest.StashKey[float]()
 
 
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def unit_of(nodeid: str) -> str:
     """The work unit a test belongs to: its group, its module, or (``SPLIT``) the test itself."""
-    module = nodeid.split("::", 1)[0]
+    module = module_of(nodeid)
     if module in SPLIT:
         return nodeid
     return _MODULE_GROUP.get(module, module)
@@ -84,7 +88,7 @@ def load_estimates() -> dict[str, float]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for fixture, group in SHARED_FIXTURES.items():
-            module = item.nodeid.split("::", 1)[0]
+            module = module_of(item.nodeid)
             if fixture in getattr(item, "fixturenames", ()) and _MODULE_GROUP.get(module) != group:
                 raise pytest.UsageError(
                     f"{module} uses the session fixture {fixture!r}: add it to GROUPS[{group!r}] in "
@@ -98,15 +102,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (-estimates.get(unit_of(item.nodeid), UNKNOWN_S), first_seen[unit_of(item.nodeid)]))
     if os.environ.get(SIDE_ENVS_PENDING_ENV):
         needs = {
-            unit_of(i.nodeid) for i in items if i.get_closest_marker(SIDE_ENV_MARKER) or _module(i) in SIDE_ENV_MODULES
+            unit_of(i.nodeid)
+            for i in items
+            if i.get_closest_marker(SIDE_ENV_MARKER) or module_of(i.nodeid) in SIDE_ENV_MODULES
         }
         order = defer_units([unit_of(i.nodeid) for i in items], needs, estimates)
         rank = {unit: k for k, unit in enumerate(order)}
         items.sort(key=lambda item: rank[unit_of(item.nodeid)])  # stable: a unit's own order stays
-
-
-def _module(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
 
 
 def defer_units(units: list[str], deferred: set[str], estimates: dict[str, float]) -> list[str]:
