@@ -83,7 +83,11 @@ demo-ppo: setup
 # bench/out/test_durations.json, summed per module and per fixture set-up by scripts/suite_durations.py.
 # The fast performance gate (gate-fast's probes vs bench/baselines.json "fast") runs inside the suite, as the perf
 # leg of the dev-loop test (tests/integration/test_quickstart.py): a regression fails that test naming the figure.
-TEST_WORKERS ?= 2
+# One worker more than the cores (the tests wait on engine start-ups and children about a tenth of the time; a
+# third worker on 2 cores took the warm suite from ~1,490 s to 1,295 s of pytest), at most one per 7 GiB of memory
+# (3 workers peaked near 18 GiB on a 24 GiB machine): 3 on 2 cores and 24 GiB.
+TEST_WORKERS ?= $(shell awk -v c="$$(nproc)" '/^MemTotal/ {m = int($$2 / 7340032); w = c + 1; \
+	if (m < w) w = m; print (w < 1 ? 1 : w)}' /proc/meminfo 2>/dev/null || echo 2)
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 # Lint first (it fails fast). The vLLM and verifiers virtualenvs (network- and disk-bound, ~2-4 min on a fresh
 # machine) are provisioned in the background while the suite starts: PRIMERL_SIDE_ENVS_PENDING=1 queues the work

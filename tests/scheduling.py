@@ -5,20 +5,20 @@ Recording: with ``PRIMERL_TEST_DURATIONS=PATH`` (``make test`` and ``make test-f
 ``scripts/suite_durations.py`` sums it per module and per fixture set-up, and writes the per-unit estimates
 below. A run of one module by hand records nothing, so it never overwrites the last full run's record.
 
-Scheduling (``make test`` runs ``-n 2 --dist loadscope --no-loadscope-reorder``): xdist hands a worker one work
-unit at a time, and this plugin says what a unit is (``GroupScheduling``):
+Scheduling (``make test`` runs ``-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder``, 3 workers on 2
+cores): xdist hands a worker one work unit at a time, and this plugin says what a unit is (``GroupScheduling``):
 
 * a module by default: its module-scoped fixtures (an embedded model, a bridge child) are set up once, as
   without xdist;
 * ``vllm``: every module that uses the session's vLLM server (``vllm_url``), so one server serves the run; a
   module that asks for ``vllm_url`` without being listed fails the collection, naming this file;
-* each test of a module in ``SPLIT`` on its own (long, independent tests: both workers can take one).
+* each test of a module in ``SPLIT`` on its own (long, independent tests: every worker can take one).
 
 (xdist's own ``xdist_group`` marks do not work with pytest 9.2: xdist 3.8 renames ``item._nodeid``, which
 pytest 9.2 no longer reads; so the groups are named here, by node id, where the controller can see them.)
 
 Units are queued longest first, by the committed estimates in ``tests/durations.json`` (seconds per unit,
-measured), so that the two workers finish together instead of one starting the longest module last.
+measured), so that the workers finish together instead of one starting the longest module last.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ SPLIT = frozenset(
 UNKNOWN_S = 10.0  # a unit with no estimate yet (a new module)
 # While make test provisions the vLLM and verifiers virtualenvs in the background (PRIMERL_SIDE_ENVS_PENDING=1: a
 # fresh machine, or a pin changed), the units that need them start only after this many seconds of other units'
-# estimates (two workers: about half of it in wall time), instead of waiting first in line on the provisioner.
+# estimates (two or three workers: a half to a third of it in wall time), instead of waiting first in line on the
+# provisioner.
 SIDE_ENVS_PENDING_ENV = "PRIMERL_SIDE_ENVS_PENDING"
 DEFER_SIDE_ENV_UNITS_S = 400.0
 SIDE_ENV_MARKER = "engine"  # a real vLLM: the vLLM virtualenv
