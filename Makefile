@@ -7,14 +7,14 @@ PY := $(VENV)/bin/python
 APT := DEBIAN_FRONTEND=noninteractive apt-get -qq -o DPkg::Lock::Timeout=600
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 
-.PHONY: help setup dev dev-loop lock run demo-chat demo-ppo test test-fast unit lint gen-proto check-proto bench bench-gate bench-targets gate-fast clean vllm-env verifiers-env
+.PHONY: help setup dev dev-loop lock run demo-chat demo-ppo test test-fast unit lint lint-style lint-types gen-proto check-proto bench bench-gate bench-targets gate-fast clean vllm-env verifiers-env
 
 help:
 	@echo "make dev    - the quick start's first step: make setup (the venv with the dev tools, the test services)"
 	@echo "make dev-loop - scripts/dev_loop.sh: PPO, GRPO, the bridge with a metrics scrape and a verifier reward, perf gate"
 	@echo "make run    - set up, show one chat episode through the bridge, then run the GRPO training demo"
 	@echo "make demo-chat / demo-ppo - the 3-turn chat episode / the PPO value-head demo"
-	@echo "make test   - set up and run lint, type checks, proto freshness, the whole test suite and the fast perf gate"
+	@echo "make test   - set up and run lint, proto freshness, then the whole test suite (type checks beside it) and the fast perf gate"
 	@echo "make test-fast - the inner loop: every test not marked slow (unit, contract, toy-engine integration)"
 	@echo "             (make test GATE_INJECT=kv-off|no-batching|no-group-sharing|round-robin|no-speculation"
 	@echo "              injects a regression the gate must catch)"
@@ -89,17 +89,22 @@ demo-ppo: setup
 TEST_WORKERS ?= $(shell awk -v c="$$(nproc)" '/^MemTotal/ {m = int($$2 / 7340032); w = c + 1; \
 	if (m < w) w = m; print (w < 1 ? 1 : w)}' /proc/meminfo 2>/dev/null || echo 2)
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
-# Lint first (it fails fast). The vLLM and verifiers virtualenvs (network- and disk-bound, ~2-4 min on a fresh
-# machine) are provisioned in the background while the suite starts: PRIMERL_SIDE_ENVS_PENDING=1 queues the work
+# ruff first (it fails fast, ~2 s); lint-imports and mypy (~60 s with an empty cache) run beside the suite, print
+# their output as soon as they fail, and fail the run at its end (bench/out/lint.log). The vLLM and verifiers
+# virtualenvs (network- and disk-bound, ~2-4 min on a fresh machine) are provisioned in the background while the suite starts: PRIMERL_SIDE_ENVS_PENDING=1 queues the work
 # units that need them behind a few minutes of other work (tests/scheduling.py), and their fixtures wait on the
 # provisioners' lock (or provision themselves if the background run failed; its log: bench/out/side_envs.log).
-test: setup check-proto lint
+test: setup check-proto lint-style
 	@mkdir -p bench/out; pending=; \
+	( $(MAKE) --no-print-directory lint-types >bench/out/lint.log 2>&1 || { echo; cat bench/out/lint.log; \
+		echo "make test: lint-imports or mypy failed (above; bench/out/lint.log)"; exit 1; } ) & lint=$$!; \
 	if ! { scripts/provision_vllm.sh --check && scripts/provision_verifiers.sh --check; }; then \
 		pending=1; echo "provisioning the vLLM and verifiers virtualenvs in the background (bench/out/side_envs.log)"; \
 		{ $(MAKE) --no-print-directory -j2 vllm-env verifiers-env >bench/out/side_envs.log 2>&1 & }; \
 	fi; \
-	PRIMERL_SIDE_ENVS_PENDING=$$pending PRIMERL_TEST_DURATIONS=bench/out/test_durations.json $(PYTEST) --durations=25
+	PRIMERL_SIDE_ENVS_PENDING=$$pending PRIMERL_TEST_DURATIONS=bench/out/test_durations.json $(PYTEST) --durations=25; \
+	rc=$$?; wait $$lint || { echo "make test: the suite ran, but lint-imports or mypy failed (bench/out/lint.log)"; exit 1; }; \
+	exit $$rc
 	$(PY) scripts/suite_durations.py --top 10 --modules 10
 
 # The inner loop (docs/testing.md): unit, contract and toy-engine integration tests, everything not marked slow.
@@ -127,9 +132,13 @@ unit: setup
 # mypy's and import-linter's caches live beside the other caches, not in the clone: a new clone re-checks only
 # what changed (mypy compares content hashes when a path or mtime differs): ~65 s -> ~2 s on 2 cores.
 LINT_CACHE ?= $(HOME)/.cache/primerl/lint
-lint: setup
+lint: lint-style lint-types
+
+lint-style: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+lint-types: setup
 	$(VENV)/bin/lint-imports --cache-dir $(LINT_CACHE)/import-linter  # the layering contracts ([tool.importlinter])
 	$(VENV)/bin/mypy --cache-dir $(LINT_CACHE)/mypy
 
