@@ -14,7 +14,7 @@ help:
 	@echo "make dev-loop - scripts/dev_loop.sh: PPO, GRPO, the bridge with a metrics scrape and a verifier reward, perf gate"
 	@echo "make run    - set up, show one chat episode through the bridge, then run the GRPO training demo"
 	@echo "make demo-chat / demo-ppo - the 3-turn chat episode / the PPO value-head demo"
-	@echo "make test   - set up and run lint, proto freshness, then the whole test suite (type checks beside it) and the fast perf gate"
+	@echo "make test   - set up, ruff, proto freshness, the whole suite (type checks beside it) and the fast perf gate"
 	@echo "make test-fast - the inner loop: every test not marked slow (unit, contract, toy-engine integration)"
 	@echo "             (make test GATE_INJECT=kv-off|no-batching|no-group-sharing|round-robin|no-speculation"
 	@echo "              injects a regression the gate must catch)"
@@ -83,17 +83,18 @@ demo-ppo: setup
 # bench/out/test_durations.json, summed per module and per fixture set-up by scripts/suite_durations.py.
 # The fast performance gate (gate-fast's probes vs bench/baselines.json "fast") runs inside the suite, as the perf
 # leg of the dev-loop test (tests/integration/test_quickstart.py): a regression fails that test naming the figure.
-# One worker more than the cores (the tests wait on engine start-ups and children about a tenth of the time; a
-# third worker on 2 cores took the warm suite from ~1,490 s to 1,295 s of pytest), at most one per 7 GiB of memory
-# (3 workers peaked near 18 GiB on a 24 GiB machine): 3 on 2 cores and 24 GiB.
+# One worker more than the cores (on 2 workers the tests waited on engine start-ups and children ~10 % of the time;
+# on one 2-core machine: pytest 1,295 s warm on 3 workers, 1,494 s from a fresh clone on 2), at most one per 7 GiB
+# of memory (3 workers peaked at 18.5-19.5 GiB used on a 24 GiB machine): 3 on 2 cores and 24 GiB.
 TEST_WORKERS ?= $(shell awk -v c="$$(nproc)" '/^MemTotal/ {m = int($$2 / 7340032); w = c + 1; \
 	if (m < w) w = m; print (w < 1 ? 1 : w)}' /proc/meminfo 2>/dev/null || echo 2)
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 # ruff first (it fails fast, ~2 s); lint-imports and mypy (~60 s with an empty cache) run beside the suite, print
 # their output as soon as they fail, and fail the run at its end (bench/out/lint.log). The vLLM and verifiers
-# virtualenvs (network- and disk-bound, ~2-4 min on a fresh machine) are provisioned in the background while the suite starts: PRIMERL_SIDE_ENVS_PENDING=1 queues the work
-# units that need them behind a few minutes of other work (tests/scheduling.py), and their fixtures wait on the
-# provisioners' lock (or provision themselves if the background run failed; its log: bench/out/side_envs.log).
+# virtualenvs (network- and disk-bound, ~2-4 min on a fresh machine) are provisioned in the background while the
+# suite starts: PRIMERL_SIDE_ENVS_PENDING=1 queues the work units that need them behind a few minutes of other work
+# (tests/scheduling.py), and their fixtures wait on the provisioners' lock (or provision themselves if the
+# background run failed; its log: bench/out/side_envs.log).
 test: setup check-proto lint-style
 	@mkdir -p bench/out; pending=; \
 	( $(MAKE) --no-print-directory lint-types >bench/out/lint.log 2>&1 || { echo; cat bench/out/lint.log; \
@@ -103,7 +104,8 @@ test: setup check-proto lint-style
 		{ $(MAKE) --no-print-directory -j2 vllm-env verifiers-env >bench/out/side_envs.log 2>&1 & }; \
 	fi; \
 	PRIMERL_SIDE_ENVS_PENDING=$$pending PRIMERL_TEST_DURATIONS=bench/out/test_durations.json $(PYTEST) --durations=25; \
-	rc=$$?; wait $$lint || { echo "make test: the suite ran, but lint-imports or mypy failed (bench/out/lint.log)"; exit 1; }; \
+	rc=$$?; wait $$lint || { echo "make test: the suite ran; lint-imports or mypy failed (bench/out/lint.log)"; \
+		exit 1; }; \
 	exit $$rc
 	$(PY) scripts/suite_durations.py --top 10 --modules 10
 
