@@ -5,8 +5,9 @@ Recording: with ``PRIMERL_TEST_DURATIONS=PATH`` (``make test`` and ``make test-f
 ``scripts/suite_durations.py`` sums it per module and per fixture set-up, and writes the per-unit estimates
 below. A run of one module by hand records nothing, so it never overwrites the last full run's record.
 
-Scheduling (``make test`` runs ``-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder``, 3 workers on 2
-cores): xdist hands a worker one work unit at a time, and this plugin says what a unit is (``GroupScheduling``):
+Scheduling (``make test`` runs ``-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder``, 2 or 3
+workers on 2 cores): xdist hands a worker one work unit at a time, and this plugin says what a unit is
+(``GroupScheduling``):
 
 * a module by default: its module-scoped fixtures (an embedded model, a bridge child) are set up once, as
   without xdist;
