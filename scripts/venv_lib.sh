@@ -99,10 +99,13 @@ venv_create() {
   "$base" -m venv "$VENV" || die "venv creation failed"
 }
 
-# pip, keeping its exit status, without the harmless "Location 'file:///opt/...' is ignored" warnings this
-# machine's extra-index-url produces (and the caller's PIP_NOISE).
+# `pip_ install ARGS`: scripts/pip_install.sh (uv when there is one, else pip), keeping its exit status, without
+# the harmless "Location 'file:///opt/...' is ignored" warnings this machine's extra-index-url produces (and the
+# caller's PIP_NOISE).
 pip_() {
-  "$PY" -m pip --disable-pip-version-check --no-input "$@" \
+  [[ "$1" == install ]] || die "pip_ only installs"
+  shift
+  "$(dirname "${BASH_SOURCE[0]}")/pip_install.sh" "$PY" "$@" \
     2> >(grep -vE "is ignored: it is neither a file nor a directory${PIP_NOISE:+|$PIP_NOISE}" >&2)
 }
 
