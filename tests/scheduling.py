@@ -13,7 +13,9 @@ workers on 2 cores): xdist hands a worker one work unit at a time, and this plug
   without xdist;
 * ``vllm``: every module that uses the session's vLLM server (``vllm_url``), so one server serves the run; a
   module that asks for ``vllm_url`` without being listed fails the collection, naming this file;
-* each test of a module in ``SPLIT`` on its own (long, independent tests: every worker can take one).
+* each test of a module in ``SPLIT`` on its own (long, independent tests: every worker can take one);
+
+and at most ``MAX_HEAVY`` workers hold a heavy unit (a model in training, a real vLLM) at once: memory.
 
 (xdist's own ``xdist_group`` marks do not work with pytest 9.2: xdist 3.8 renames ``item._nodeid``, which
 pytest 9.2 no longer reads; so the groups are named here, by node id, where the controller can see them.)
@@ -53,6 +55,23 @@ SPLIT = frozenset(
     {f"{INTEGRATION}test_rl_primitives.py", f"{INTEGRATION}test_rl_components.py"}
 )  # one unit per test: training runs, independent
 UNKNOWN_S = 10.0  # a unit with no estimate yet (a new module)
+# Units that train a model or run a real vLLM (4-5 GiB each). On 3 workers (one 24 GB, 2-core machine) two learning
+# runs beside a vLLM peaked at 22.4 GiB used of 23.5 (docs/testing.md); so a worker takes a heavy unit only while
+# fewer than MAX_HEAVY other workers hold one, and light units meanwhile. On 2 workers the rule never bites.
+HEAVY_MODULES = frozenset(
+    f"{INTEGRATION}{m}.py"
+    for m in (
+        "test_rl_primitives",
+        "test_rl_components",
+        "test_quickstart",
+        "test_mismatch_rl",
+        "test_rl_resume",
+        "test_mismatch_exact",
+        "test_lora_vllm",
+        "test_failover_processes",
+    )
+)
+MAX_HEAVY = 2
 # While make test provisions the vLLM and verifiers virtualenvs in the background (PRIMERL_SIDE_ENVS_PENDING=1: a
 # fresh machine, or a pin changed), the units that need them start only after this many seconds of other units'
 # estimates (two or three workers: a half to a third of it in wall time), instead of waiting first in line on the
@@ -77,6 +96,20 @@ def unit_of(nodeid: str) -> str:
     if module in SPLIT:
         return nodeid
     return _MODULE_GROUP.get(module, module)
+
+
+def is_heavy(unit: str) -> bool:
+    return unit in GROUPS or module_of(unit) in HEAVY_MODULES
+
+
+def next_unit(queue: list[str], heavy_elsewhere: int, holds_heavy: bool) -> str | None:
+    """The unit a worker takes next: the first queued one, unless it is heavy and ``MAX_HEAVY`` other workers hold a
+    heavy unit (a worker that holds one already may queue another: it runs them one after the other); then the first
+    light one, or none (the worker waits until a heavy unit ends)."""
+    for unit in queue:
+        if holds_heavy or heavy_elsewhere < MAX_HEAVY or not is_heavy(unit):
+            return unit
+    return None
 
 
 def load_estimates() -> dict[str, float]:
@@ -146,12 +179,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
 
+        def _holds_heavy(self, node: Any) -> bool:
+            work = self.assigned_work.get(node, {})
+            return any(is_heavy(scope) and not all(done.values()) for scope, done in work.items())
+
         def _assign_work_unit(self, node: Any) -> None:
-            scope, work_unit = self.workqueue.popitem(last=False)
+            elsewhere = sum(self._holds_heavy(other) for other in self.assigned_work if other is not node)
+            scope = next_unit(list(self.workqueue), elsewhere, self._holds_heavy(node))
+            if scope is None:  # only heavy units are left and MAX_HEAVY workers hold one: wait
+                return
+            work_unit = self.workqueue.pop(scope)
             self.assigned_work.setdefault(node, {})[scope] = work_unit
             pending = {nodeid for nodeid, completed in work_unit.items() if not completed}
             collection = self.registered_collections[node]
             node.send_runtest_some([i for i, nodeid in enumerate(collection) if nodeid in pending])
+
+        def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            for other in self.nodes:  # a worker left waiting for a heavy unit may take one now
+                if other is not node and not self._pending_of(self.assigned_work.get(other, {})):
+                    self._reschedule(other)
 
     return GroupScheduling(config, log)
 

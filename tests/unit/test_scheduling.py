@@ -30,11 +30,25 @@ def test_units_that_need_the_side_venvs_wait_behind_other_work_while_they_are_pr
     assert scheduling.defer_units(["vllm", "d"], {"vllm"}, est) == ["d", "vllm"]
 
 
+def test_a_worker_takes_a_heavy_unit_only_while_fewer_than_two_others_hold_one() -> None:
+    ppo = "tests/integration/test_rl_primitives.py::test_algorithm_raises_the_mean_reward[ppo]"
+    light = "tests/unit/test_toolcall.py"
+    assert scheduling.is_heavy("vllm") and scheduling.is_heavy(ppo) and not scheduling.is_heavy(light)
+    queue = ["vllm", ppo, light]
+    assert scheduling.MAX_HEAVY == 2
+    assert scheduling.next_unit(queue, heavy_elsewhere=1, holds_heavy=False) == "vllm"
+    assert scheduling.next_unit(queue, heavy_elsewhere=2, holds_heavy=False) == light  # two hold one: light
+    assert scheduling.next_unit(queue, heavy_elsewhere=2, holds_heavy=True) == "vllm"  # runs after its own
+    assert scheduling.next_unit(["vllm", ppo], heavy_elsewhere=2, holds_heavy=False) is None  # waits
+    assert scheduling.next_unit([], heavy_elsewhere=0, holds_heavy=False) is None
+
+
 RL_COMPONENTS = "tests/integration/test_rl_components.py::"  # the three-process runs (issue 37)
 
 
 def test_every_named_module_exists_and_every_estimate_is_a_unit_of_today() -> None:
     named = [m for modules in scheduling.GROUPS.values() for m in modules] + list(scheduling.SPLIT)
+    named += list(scheduling.HEAVY_MODULES)
     assert all((ROOT / m).is_file() for m in named), named
     estimates = scheduling.load_estimates()
     assert estimates and all(seconds >= 0 for seconds in estimates.values())
