@@ -88,7 +88,8 @@ demo-ppo: setup
 # One worker more than the cores (on 2 workers the tests waited on engine start-ups and children ~10 % of the time;
 # on one 2-core machine: pytest 1,295-1,317 s warm on 3 workers, 1,494 s from a fresh clone on 2), at most one per
 # 8 GiB of memory: 3 workers peaked at 22.4 GiB used of 23.5 (two training runs beside a vLLM), so a 24 GB machine
-# keeps 2 (TEST_WORKERS=3 opts in, docs/testing.md).
+# keeps 2 (TEST_WORKERS=3 opts in: then at most two workers hold a heavy unit at once, tests/scheduling.py;
+# docs/testing.md).
 TEST_WORKERS ?= $(shell awk -v c="$$(nproc)" '/^MemTotal/ {m = int($$2 / 8388608); w = c + 1; \
 	if (m < w) w = m; print (w < 1 ? 1 : w)}' /proc/meminfo 2>/dev/null || echo 2)
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
