@@ -3,9 +3,10 @@
 #
 # Usage: scripts/pip_install.sh PYTHON [pip install arguments: -q, -c FILE, -r FILE, -e PATH, --no-deps, specs]
 #
-# Why: on a fresh 2-core machine pip took 80 s for the project's venv and ~4 min for the vLLM and verifiers venvs
-# (provisioned beside the test suite, so every second of it is taken from the tests); uv downloads and unpacks in
-# parallel and did the same in 34 s and 32 s, with the same packages at the same versions (docs/testing.md).
+# Why: on a fresh 2-core machine pip took 87 s for make setup's venv, and 269 s and 170 s for the vLLM and
+# verifiers venvs (provisioned beside the test suite, so every second of it is taken from the tests); uv downloads
+# and unpacks in parallel and did the same in 57 s, 48 s and 22 s (empty uv cache), with the same packages at the
+# same versions (docs/testing.md).
 # uv reads none of pip's configuration, so what pip would use is handed over: index-url, extra-index-url,
 # find-links, constraint and no-index from `pip config list` (files and PIP_* variables; a machine whose CPU
 # build of torch lies in a find-links directory gets it, as with pip). `--index-strategy unsafe-best-match` is
