@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,9 +156,33 @@ def check_weight_dir(path: str) -> Path:
     return d
 
 
-def check_adapter_dir(path: str, max_rank: int) -> Path:
+# vLLM's packed layers, each matched by the names of the layers it packs (peft's, an adapter's)
+PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def adapted_modules(manifest: Manifest) -> set[str]:
+    """The modules (last name component) a peft adapter's LoRA weights apply to: ``...q_proj.lora_A.weight`` is
+    ``q_proj``."""
+    return {name.split(".lora_", 1)[0].rsplit(".", 1)[-1] for name in manifest.tensors if ".lora_" in name}
+
+
+def check_adapter_targets(path: str, modules: set[str], targets: Collection[str]) -> None:
+    """InvalidArgument when the adapter has LoRA weights for a module the server does not apply LoRA to: vLLM
+    loads such an adapter and silently drops those weights, so it would serve other outputs than the trainer's."""
+    allowed = set(targets) | {child for parent in targets for child in PACKED_MODULES.get(parent, ())}
+    stray = sorted(modules - allowed)
+    if stray:
+        raise InvalidArgument(
+            f"adapter {path!r} has LoRA weights for {', '.join(stray)}, which the server does not apply LoRA to "
+            f"(its --lora-target-modules: {' '.join(targets)}); vLLM would drop them and serve other outputs than "
+            "the adapter's: train the adapter without them, or restart the server with them in --lora-target-modules"
+        )
+
+
+def check_adapter_dir(path: str, max_rank: int, targets: Collection[str] | None = None) -> Path:
     """Raise InvalidArgument unless ``path`` is a peft LoRA adapter directory the server can load: adapter_config.json
-    (a LoRA of rank at most ``max_rank``; 0: unchecked) and adapter_model.safetensors."""
+    (a LoRA of rank at most ``max_rank``; 0: unchecked), adapter_model.safetensors, and LoRA weights only for the
+    server's ``targets`` (its ``--lora-target-modules``; None: unrestricted)."""
     if not path:
         raise InvalidArgument("checkpoint_path is empty: name a peft adapter directory (adapter_config.json, weights)")
     d = Path(path)
@@ -182,5 +207,7 @@ def check_adapter_dir(path: str, max_rank: int) -> Path:
         )
     if not (d / ADAPTER_WEIGHTS).is_file():
         raise InvalidArgument(f"checkpoint_path {path!r} has no {ADAPTER_WEIGHTS}")
-    read_manifest(path)  # every file complete
+    manifest = read_manifest(path)  # every file complete
+    if targets is not None:
+        check_adapter_targets(path, adapted_modules(manifest), targets)
     return d

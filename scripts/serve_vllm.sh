@@ -32,6 +32,8 @@
 #                          The script prints the engine URL to register: URL#kv-events=...&kv-events-replay=...
 #   PRIMERL_VLLM_LORA_RANK 0 (default): no LoRA. N: serve LoRA adapters of rank <= N loaded at run time
 #                          (UpdateWeights with adapter: /v1/load_lora_adapter), up to 4 versions at once.
+#   PRIMERL_VLLM_LORA_TARGETS  the modules LoRA applies to (--lora-target-modules), space-separated; default the
+#                          decoder's linear layers (q/k/v/o_proj, gate/up/down_proj), not lm_head.
 #   VLLM_CPU_KVCACHE_SPACE KV cache size in GiB (default 2)
 #   VLLM_SERVER_DEV_MODE   1 (default here): /collective_rpc, /reset_prefix_cache, /pause,
 #                          /resume, /sleep, /weight_info, ... Set 0 to disable.
@@ -93,7 +95,9 @@ LORA_RANK="${PRIMERL_VLLM_LORA_RANK:-0}"
 [[ "$LORA_RANK" =~ ^[0-9]+$ ]] || die "invalid PRIMERL_VLLM_LORA_RANK: $LORA_RANK"
 if (( LORA_RANK > 0 )); then
   export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
-  ARGS+=(--enable-lora --max-lora-rank "$LORA_RANK" --max-loras 4)
+  # The decoder's linear layers, not lm_head (engines/launch.py, LORA_TARGET_MODULES: why, and the same list).
+  read -r -a LORA_TARGETS <<< "${PRIMERL_VLLM_LORA_TARGETS:-q_proj k_proj v_proj o_proj gate_proj up_proj down_proj}"
+  ARGS+=(--enable-lora --max-lora-rank "$LORA_RANK" --max-loras 4 --lora-target-modules "${LORA_TARGETS[@]}")
 fi
 
 HOST="${PRIMERL_VLLM_HOST:-127.0.0.1}"

