@@ -20,9 +20,10 @@ from tests.integration.postgres_proc import PrivatePostgres
 from tests.integration.redis_proc import PrivateRedis
 
 # A skip for a missing service fails the run (services are private fixtures or `make setup`); so does a run that
-# leaves the editable install pointing away from this checkout. tests/scheduling.py records every test's time
-# and keeps the tests that share a server on one xdist worker.
-pytest_plugins = ("tests.skip_guard", "tests.env_guard", "tests.scheduling")
+# leaves the editable install pointing away from this checkout; a SIGTERM'd run tears its fixtures (and their
+# servers) down. tests/scheduling.py records every test's time and keeps the tests that share a server on one
+# xdist worker.
+pytest_plugins = ("tests.skip_guard", "tests.env_guard", "tests.sigterm_guard", "tests.scheduling")
 
 StartBridge = Callable[..., Awaitable[tuple[BridgeServer, AsyncBridgeClient]]]
 
