@@ -18,6 +18,11 @@ Two consequences, read from dev mode's ``GET /server_info`` (``LoraServer``):
 * vLLM loads an adapter with weights for a module outside the targets and silently drops them: ``check_adapter``
   refuses such an adapter before vLLM is asked (``engines.checkpoint.check_adapter_targets``).
 
+Upstream: LoRA with prompt logprobs is a known weak spot of vLLM (vllm-project/vllm #29955, the engine crash on
+v1; #16668, a wrong LoRA mapping while prompt logprobs are computed; #51594, an lm_head LoRA's delta missing from
+prompt logprobs on GPU too: a proof through such an adapter fails, and the update is rolled back). So the launch
+profiles keep LoRA off lm_head on every device, not only on CPU.
+
 A server whose ``/server_info`` cannot be read (dev mode off) is taken to apply LoRA everywhere on CPU: scores alone.
 """
 
