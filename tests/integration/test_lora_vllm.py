@@ -1,12 +1,12 @@
 """LoRA adapters on a real vLLM (issue 36, acceptance 3), against transformers + peft.
 
 A vLLM server of this module's own runs with LoRA on (rank <= 8, on the decoder's linear layers: the launch
-profile's ``--lora-target-modules``). Two adapters, ``math`` and
-``code``, get three versions each through ``UpdateWeights`` with ``adapter`` (each carrying the trainer's proof: the
-probe's logprobs from transformers + peft with the same adapter weights); after each round, one greedy episode per
-adapter. Every episode's trajectory names its adapter, every token carries the adapter's version at the time it was
-sampled (an episode opened on version 1 and stepped again after version 2 committed has both), and the greedy tokens
-equal transformers + peft's for that adapter version. Versions no turn uses any more are unloaded from vLLM.
+profile's ``--lora-target-modules``). Two adapters, ``math`` and ``code``, get three versions each through
+``UpdateWeights`` with ``adapter`` (each carrying the trainer's proof: the probe's logprobs from transformers + peft
+with the same adapter weights); after each round, one greedy episode per adapter. Every episode's trajectory names
+its adapter, every token carries the adapter's version at the time it was sampled (an episode opened on version 1 and
+stepped again after version 2 committed has both), and the greedy tokens equal transformers + peft's for that adapter
+version. Versions no turn uses any more are unloaded from vLLM.
 
 Faults: an adapter update whose weights fail the caller's proof is refused naming the replica, and the adapter keeps
 serving its old version (vLLM never serves the new one); a truncated adapter file, a rank above the server's maximum
