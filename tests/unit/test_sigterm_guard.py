@@ -31,12 +31,17 @@ def test_long(server):
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _alive(pid: int, grace_s: float = 0.0) -> bool:
+    """Whether ``pid`` still runs after ``grace_s`` (a worker's teardown may end just after its controller)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.1)
 
 
 def _run_and_terminate(tmp_path: Path, *options: str) -> int:
@@ -61,7 +66,7 @@ def _run_and_terminate(tmp_path: Path, *options: str) -> int:
 @pytest.mark.parametrize("xdist", [(), ("-n", "2")], ids=["one process", "xdist"])
 def test_a_sigterm_tears_the_fixtures_down(tmp_path: Path, xdist: tuple[str, ...]) -> None:
     pid = _run_and_terminate(tmp_path, "-p", "tests.sigterm_guard", *xdist)
-    assert not _alive(pid)
+    assert not _alive(pid, grace_s=10)
 
 
 def test_without_the_guard_the_server_outlives_the_run(tmp_path: Path) -> None:
