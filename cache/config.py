@@ -52,6 +52,13 @@ class CacheConfig(BaseModel):
         description="Timeout of one index write from a replica's KV events (awaited and retried once, never "
         "skipped: a lost event write would leave the exact index wrong, so the replica's entries are dropped).",
     )
+    event_settle_ms: float = Field(
+        50.0,
+        ge=0,
+        le=10000,
+        description="Before a routing decision, wait at most this long for the KV events that have reached the "
+        "bridge to be applied, so a session's next turn sees the blocks its last one stored; 0 = do not wait.",
+    )
     lookup_mode: Literal["script", "pipeline"] = Field(
         "script",
         description="Redis lookup: script = one server-side walk (Lua) per lookup; pipeline = chunked HGETALLs.",

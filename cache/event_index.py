@@ -65,6 +65,8 @@ class EventIndexer:
         self._task: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
         self._lost = False  # an event write failed: the replica's entries are unknown until dropped
+        self._busy = False  # a batch read from the socket is being applied
+        self._progress = asyncio.Event()  # set after each batch is applied (``settled`` waits on it)
 
     SILENT_TURNS = 3  # turns served with no event batch ever received before the replica counts as silent
 
@@ -110,7 +112,12 @@ class EventIndexer:
         while True:
             try:
                 async for msg in self.reader.messages():
-                    await self.apply(msg)
+                    self._busy = True  # (no await between the read and here: ``settled`` never misses it)
+                    try:
+                        await self.apply(msg)
+                    finally:
+                        self._busy = False
+                        self._progress.set()
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let one bad batch stop the index from following the replica
@@ -118,6 +125,28 @@ class EventIndexer:
                 await self._drop_all("errors")
                 self.reader.close()
                 await asyncio.sleep(1.0)
+
+    @property
+    def behind(self) -> bool:
+        """A batch is being applied, or has reached the socket and waits to be."""
+        return self._busy or (self._task is not None and self.reader is not None and self.reader.pending())
+
+    async def settled(self, within_s: float) -> bool:
+        """Wait until every batch that has reached this bridge's socket is applied, at most ``within_s``: a routing
+        decision made then reads the blocks the replica stored for the turns that already ended (vLLM publishes a
+        step's events before it returns the step's tokens), not the index as it stood a few writes ago. False
+        when the time ran out (counted as ``settle_timeouts``); True at once when nothing is pending."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while self.behind:
+            left = deadline - loop.time()
+            if left <= 0:
+                self.counts["settle_timeouts"] += 1
+                return False
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), left)
+        return True
 
     async def apply(self, msg: Message) -> None:
         """One message of the replica's event stream, applied to the index."""

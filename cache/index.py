@@ -59,6 +59,7 @@ class Match:
     blocks: dict[int, int] = field(default_factory=dict)
     ok: bool = True  # False: the index gave no information (fail open to load-only routing)
     looked_up: int = 0  # blocks examined
+    asked_ms: float = 0.0  # when the backend was asked (its clock): writes landed later are not in the answer
 
     def tokens(self, replica: int, block_size: int) -> int:
         return self.blocks.get(replica, 0) * block_size
@@ -84,6 +85,11 @@ class PrefixIndex(Protocol):
     stats: IndexStats
 
     async def lookup(self, hashes: Sequence[int]) -> Match: ...
+
+    def recent(self, match: Match, hashes: Sequence[int]) -> Match:
+        """``match`` with this bridge's own routing writes that it may not show yet (``cache/recent.py``); an index
+        whose writes are done when ``record`` returns gives ``match`` back."""
+        ...
 
     async def record(self, replica: int, hashes: Sequence[int]) -> None:
         """Routing time: ``replica`` is about to compute/reuse these blocks (provisional; hits counted)."""
@@ -400,6 +406,9 @@ class MemoryIndex:
 
     async def lookup(self, hashes: Sequence[int]) -> Match:
         return self.lookup_now(hashes)
+
+    def recent(self, match: Match, hashes: Sequence[int]) -> Match:
+        return match  # its writes are done when they return
 
     async def record(self, replica: int, hashes: Sequence[int]) -> None:
         self.record_now(replica, hashes)

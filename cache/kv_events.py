@@ -227,6 +227,11 @@ class EventReader:
             self._sub.close(linger=0)
             self._sub = None
 
+    def pending(self) -> bool:
+        """Whether a batch has reached the socket and waits to be read (``zmq.EVENTS``; pyzmq's asyncio socket
+        re-arms its own reader when asked this way, so the read in ``messages`` still wakes)."""
+        return self._sub is not None and bool(int(self._sub.get(zmq.EVENTS)) & zmq.POLLIN)
+
     async def messages(self) -> AsyncIterator[Message]:
         if self._sub is None:
             self.connect()

@@ -32,7 +32,9 @@ Lookups stop at the first block no still-matching replica holds. ``lookup_mode="
 (default) does that walk server-side in one Lua call (one round trip); ``"pipeline"`` sends
 pipelined ``HGET``s in growing chunks (32, 128, 512 blocks). The near-cache reuses answers
 younger than ``near_cache_ttl_s`` (script mode: per chain; pipeline mode: per block), and this
-bridge's own writes invalidate them. Every lookup runs under ``lookup_budget_ms``; a
+bridge's own writes invalidate them. Writes run in the background, so ``recent`` adds to an answer the blocks
+this bridge recorded that had not reached Redis when it was asked (``cache/recent.py``: a burst over one
+prefix sees where its first turn went). Every lookup runs under ``lookup_budget_ms``; a
 Redis error or a slow lookup returns ``Match(ok=False)`` (load-only routing), is counted in
 ``stats.fail_open``, and Redis is skipped for ``backoff_s`` after an error. Nothing here
 raises to the caller; redis-py reconnects by itself once Redis is back.
@@ -59,6 +61,7 @@ from redis.exceptions import RedisError
 
 from cache.config import CacheConfig
 from cache.index import IndexStats, Match, SyncOp, horizon
+from cache.recent import RecentWrites
 from cache.redis_scripts import FORGET, LOOKUP, WRITE, decode, prefix
 
 log = logging.getLogger("primerl.cache")
@@ -116,6 +119,10 @@ class RedisIndex:
         self._tasks: set[asyncio.Task[None]] = set()
         self._down_until = 0.0
         self._entries_estimate = 0
+        # Kept past a write's landing as long as an answer asked before it may still be read: a near-cached one,
+        # or one whose routing decision awaits pins after it.
+        keep_ms = config.near_cache_ttl_s * 1e3 + 4 * config.lookup_budget_ms + 100
+        self.recent_writes = RecentWrites(keep_ms, clock_ms)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -203,7 +210,7 @@ class RedisIndex:
         raw = await self._walk(keys=[], args=[f"{now:.0f}", self.ns, self._hb, _blob(hashes)])
         self.stats.round_trips += 1
         it = iter(raw[1:])
-        match = Match({int(r): int(b) for r, b in zip(it, it, strict=True)}, True, int(raw[0]))
+        match = Match({int(r): int(b) for r, b in zip(it, it, strict=True)}, True, int(raw[0]), now)
         if self.cfg.near_cache_ttl_s > 0 and self.cfg.near_cache_entries > 0:
             self._answers[tail] = (now + self.cfg.near_cache_ttl_s * 1e3, match)
             self._answers.move_to_end(tail)
@@ -249,11 +256,11 @@ class RedisIndex:
                     matched[r] = i
                 alive = nxt
                 if not alive:
-                    return Match({r: b for r, b in matched.items() if b > 0}, True, i + 1)
+                    return Match({r: b for r, b in matched.items() if b > 0}, True, i + 1, now)
                 i += 1
         for r in alive or ():
             matched[r] = i
-        return Match({r: b for r, b in matched.items() if b > 0}, True, n)
+        return Match({r: b for r, b in matched.items() if b > 0}, True, n, now)
 
     def _near_get(self, h: int, now: float) -> tuple[tuple[int, float], ...] | None:
         if self.cfg.near_cache_ttl_s <= 0:
@@ -279,15 +286,18 @@ class RedisIndex:
         task.add_done_callback(self._tasks.discard)
 
     async def _run_write(self, op: str, replica: int, hashes: Sequence[int]) -> None:
-        if not hashes or self._down():
-            if hashes:
-                self.stats.write_errors += 1
-            return
         try:
+            if not hashes or self._down():
+                if hashes:
+                    self.stats.write_errors += 1
+                return
             await self._write_now(op, replica, hashes, self.cfg.write_timeout_ms / 1e3)
         except (RedisError, OSError, TimeoutError) as exc:
             self.stats.write_errors += 1
             self._failed(exc, op)
+        finally:
+            if op == "record":
+                self.recent_writes.landed(replica, hashes)
 
     async def _write_now(
         self, op: str, replica: int, hashes: Sequence[int], timeout_s: float, client: aioredis.Redis | None = None
@@ -322,6 +332,8 @@ class RedisIndex:
             return True
         if op == "confirm":
             self._invalidate(hashes)
+        elif op == "evict":
+            self.recent_writes.remove(replica, hashes)
         timeout_s = self.cfg.event_write_timeout_ms / 1e3
         for attempt in (1, 2):
             try:
@@ -339,8 +351,12 @@ class RedisIndex:
         if hashes:
             self._answers.pop(hashes[-1] ^ len(hashes), None)
 
+    def recent(self, match: Match, hashes: Sequence[int]) -> Match:
+        return self.recent_writes.extend(match, hashes)
+
     async def record(self, replica: int, hashes: Sequence[int]) -> None:
         self._invalidate(hashes)
+        self.recent_writes.begin(replica, hashes)
         self._spawn(self._run_write("record", replica, list(hashes)), "record")
 
     async def confirm(self, replica: int, hashes: Sequence[int]) -> None:
@@ -348,15 +364,18 @@ class RedisIndex:
         self._spawn(self._run_write("confirm", replica, list(hashes)), "confirm")
 
     async def drop(self, replica: int, hashes: Sequence[int]) -> None:
+        self.recent_writes.remove(replica, hashes)
         self._spawn(self._run_write("drop", replica, list(hashes)), "drop")
 
     async def evict(self, replica: int, hashes: Sequence[int]) -> None:
+        self.recent_writes.remove(replica, hashes)
         self._spawn(self._run_write("evict", replica, list(hashes)), "evict")
 
     async def _forget_now(self, replica: int, timeout_s: float, client: aioredis.Redis | None = None) -> None:
         """Drop every entry of ``replica`` (and this bridge's near-caches); raises what Redis raised."""
         self._near.clear()
         self._answers.clear()
+        self.recent_writes.remove(replica)
         async with asyncio.timeout(timeout_s):
             await self._forget(keys=[], args=self._state(replica, self.clock_ms()), client=client)
 

@@ -102,9 +102,13 @@ class CacheAware(PolicyBase):
         r = await self._pinned(gkey, self._groups, False) if gkey else None
         if r is not None:
             reason = "group"
+            match = self.index.recent(match, hashes)  # (the group's earlier members, recorded since the lookup)
         else:
             # 2. A continuing episode stays where its KV is, unless that replica is hot.
             p = await self._pinned(ekey, self._episodes, req.first_turn, req.current)
+            # What this bridge routed since the lookup was asked counts too: a burst over one prefix (a system
+            # prompt, a header) finds where its first turn went, before Redis shows it (``cache/recent.py``).
+            match = self.index.recent(match, hashes)
             load = self.replicas.view()  # read after the last await: decisions made meanwhile are counted in it
             hot = self._hot(load)
             if p is not None and p not in hot:

@@ -19,6 +19,12 @@ A replica whose engine publishes KV events (``EngineInfo.kv_events``) has its en
 restart dropping them all; routing still writes provisional entries for the turns in flight (an
 event confirms or evicts them; one nothing confirms expires after ``cache.provisional_ttl_s``).
 
+Read-your-writes: before each decision the event batches that have reached the bridge are applied
+(``EventIndexer.settled``, at most ``cache.event_settle_ms``), and the policy counts this bridge's
+own provisional writes that Redis may not show yet (``cache/recent.py``). An episode's first turn is
+not credited with what its own placement (``place``, at StartEpisode) recorded: the engine has
+computed none of it; the other members of its GRPO group are.
+
 Invariants: hashes are over the exact ids sent to the engine and salted per tenant, model and policy
 version (``core.salt.CacheSalt``), so after a weight update no turn is routed on KV of older
 weights; an episode's chain is only ever extended (histories are append-only), so a turn hashes its
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -80,6 +87,7 @@ class Router:
     def __init__(self, engines: Sequence[Engine], cache: CacheConfig, routing: RoutingConfig, redis_url: str) -> None:
         self.engines = engines
         self.fingerprinter = Fingerprinter(cache.block_size, cache.hash_algo)
+        self._settle_s = cache.event_settle_ms / 1e3
         self.replicas = ReplicaSet(len(engines))
         # One replica leaves nothing to route: no index to look up and write on every turn (the engine
         # still reports its own cached tokens, so hit metrics come from it).
@@ -112,6 +120,7 @@ class Router:
         self.routes: dict[str, tuple[Decision, str]] = {}  # episode id -> its current turn's route and salt
         self._chains: dict[str, tuple[str, list[int]]] = {}  # episode id -> (salt, block hashes so far)
         self._group_open: dict[str, int] = {}  # group key -> open members (to release the group's pin)
+        self._placed: dict[str, tuple[int, int]] = {}  # episode placed, first turn not routed -> (replica, credit)
 
     def follow_events(self, replica: int) -> None:
         """Keep ``replica``'s index entries from its engine's KV events, if it publishes them (at start-up, and for
@@ -175,8 +184,10 @@ class Router:
 
     async def place(self, request: RouteRequest) -> int:
         """The replica for a new episode (or GRPO group): its first turn is routed with its prompt."""
+        await self._settle()
         decision = await self.policy.choose(request)
         self._reserve(request, decision)
+        self._placed[request.episode_id] = (decision.replica, decision.matched_tokens)
         return decision.replica
 
     def _reserve(self, request: RouteRequest, decision: Decision) -> None:
@@ -203,7 +214,12 @@ class Router:
             episode.id, group, history, salt, len(history) + est_new, hashes=hashes, current=episode.replica
         )
         self.replicas.unreserve(episode.id)  # its placement's reservation: this decision replaces it, not weighs it
+        await self._settle()
         decision = await self.policy.choose(request)
+        placed = self._placed.pop(episode.id, None)
+        if placed is not None and placed[0] == decision.replica and decision.matched_tokens > placed[1]:
+            # Its first turn, where it was placed: what its own placement recorded there is not cached yet.
+            decision = dataclasses.replace(decision, matched_tokens=placed[1])
         self._reserve(request, decision)
         self.routes[episode.id] = (decision, salt)
         old = episode.replica
@@ -220,6 +236,13 @@ class Router:
             with contextlib.suppress(PrimeRLError, OSError, TimeoutError):  # the old replica may be down
                 async with asyncio.timeout(2.0):
                     await self.engines[old].release(episode.id)
+
+    async def _settle(self) -> None:
+        """Read-your-writes for the exact index: the KV events already delivered are applied before routing reads
+        it (``EventIndexer.settled``; a lagging indexer delays the decision by ``cache.event_settle_ms`` at most)."""
+        behind = [ix for ix in self.events.values() if ix.behind] if self._settle_s > 0 else []
+        if behind:
+            await asyncio.gather(*(ix.settled(self._settle_s) for ix in behind))
 
     def current(self, episode: EpisodeView) -> tuple[Decision, str] | None:
         """The route of the episode's current turn, if it was routed to the replica the episode is on."""
@@ -252,6 +275,7 @@ class Router:
         """Drop an ended episode's routing state (and its group's, with its last member)."""
         self.routes.pop(episode_id, None)
         self._chains.pop(episode_id, None)
+        self._placed.pop(episode_id, None)
         self.replicas.unreserve(episode_id)
         await self.policy.release(episode_id=episode_id)
         left = self._group_open.get(group_key, 1) - 1

@@ -68,6 +68,28 @@ async def test_two_bridges_share_entries_and_pins(two_indexes: tuple[RedisIndex,
     assert await b.pinned("g:x") is None
 
 
+async def test_a_lookup_asked_before_this_bridges_write_landed_still_reads_it(
+    two_indexes: tuple[RedisIndex, RedisIndex],
+) -> None:
+    """A burst over one prefix: the second turn's lookup was answered before the first turn's (background) write
+    reached Redis; at decision time ``recent`` adds that write, until Redis shows it or an eviction removes it."""
+    a, b = two_indexes
+    hashes = FP.hashes(list(range(40)), SALT)
+    asked = await a.lookup(hashes)
+    assert asked.ok and asked.blocks == {}
+    await a.record(1, hashes[:6])  # routing's provisional write: a background task
+    assert a.recent(asked, hashes).blocks == {1: 6}
+    assert b.recent(asked, hashes).blocks == {}  # another bridge reads it from Redis, once it is there
+    await a.flush()
+    fresh = await a.lookup(hashes)
+    assert fresh.blocks == {1: 6} and a.recent(fresh, hashes) == fresh
+    assert (await b.lookup(hashes)).blocks == {1: 6}
+    await a.evict(1, hashes[3:6])  # (KV events: the engine evicted them)
+    assert a.recent(asked, hashes).blocks == {1: 3}
+    await a.forget_replica(1)
+    assert a.recent(asked, hashes).blocks == {}
+
+
 async def test_entries_written_by_another_process_are_seen(redis_server: PrivateRedis) -> None:
     code = (
         "import asyncio, sys\n"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import msgspec
@@ -243,6 +244,39 @@ async def test_a_restarted_publisher_is_reported(publisher: StandinPublisher) ->
         assert isinstance(batch, Batch) and batch.seq == 0 and batch.events == (Cleared(),)
     finally:
         reader.close()
+
+
+def _block_until_pending(reader: EventReader) -> None:
+    """Wait without yielding to the event loop (nothing else runs meanwhile) until a batch waits in the socket."""
+    deadline = time.monotonic() + 5
+    while not reader.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+async def test_routing_waits_for_delivered_batches_to_be_applied(publisher: StandinPublisher) -> None:
+    """``settled`` (read before each routing decision) returns only when every batch that reached the socket is in
+    the index; with no time left it says so and counts it."""
+    index = MemoryIndex(B, capacity=1000)
+    book = SaltBook(lambda s: "w-" + s)
+    book.note(SALT)
+    ix = EventIndexer(0, index, FP, book, EventReader(publisher.endpoint, publisher.replay_endpoint))
+    ix.start()
+    try:
+        async with asyncio.timeout(10):
+            while not ix.counts["batches"]:  # the subscription is live once a ping gets through
+                publisher.publish([])
+                await asyncio.sleep(0.05)
+            assert await ix.settled(10) and not ix.behind
+        prompt = tokens(2 * B)
+        publisher.publish([Stored((1, 2), None, prompt, B, None, "w-" + SALT)])
+        assert ix.reader is not None
+        _block_until_pending(ix.reader)  # the batch reaches the socket while the indexer cannot run
+        assert ix.behind and index.lookup_now(FP.hashes(prompt, SALT)).blocks == {}
+        assert not await ix.settled(0) and ix.counts["settle_timeouts"] == 1
+        assert await ix.settled(10) and not ix.behind
+        assert index.lookup_now(FP.hashes(prompt, SALT)).blocks == {0: 2}
+    finally:
+        await ix.stop()
 
 
 # -- registration ------------------------------------------------------------------------------------

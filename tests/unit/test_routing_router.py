@@ -116,3 +116,17 @@ async def test_the_placement_plan_sizes_the_index_per_replica(tmp_path: Path) ->
         Router(engines(3), CacheConfig(block_size=16), RoutingConfig(plan_file=plan), "")
     await router.close()
     await unsized.close()
+
+
+async def test_a_first_turn_is_not_credited_with_what_its_own_placement_recorded() -> None:
+    """StartEpisode places the episode and records its prompt provisionally; its first turn, routed there, finds
+    those entries but the engine has computed none of them yet. Another episode with the same prompt is credited."""
+    router = Router(engines(2), CacheConfig(block_size=4), RoutingConfig(), "")
+    prompt = list(range(32))
+    for eid in ("a", "b"):
+        replica = await router.place(RouteRequest(eid, "", prompt, str(SALT), 48, first_turn=True))
+        await router.route(SimpleNamespace(id=eid, replica=replica, token_ids=prompt), [], 16, SALT, "")
+    first, second = router.routes["a"][0], router.routes["b"][0]
+    assert first.matched_tokens == 0  # only its own placement's entries were there
+    assert second.replica == first.replica and second.matched_tokens == len(prompt)  # "a"'s turn is on its way
+    await router.close()
