@@ -494,6 +494,7 @@ def verdicts(table: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, str
 async def main_async(args: argparse.Namespace) -> int:
     provision_vllm()
     BRIDGE_ENV["PRIMERL_CACHE__LOOKUP_BUDGET_MS"] = f"{args.lookup_budget_ms:g}"
+    BRIDGE_ENV["PRIMERL_CACHE__WRITE_TIMEOUT_MS"] = f"{args.write_timeout_ms:g}"
     systems = [s for s in args.systems.split(",") if s] if args.systems else list(SYSTEMS)
     workloads = [w for w in args.workloads.split(",") if w]
     for s in systems:
@@ -547,8 +548,9 @@ async def main_async(args: argparse.Namespace) -> int:
         notes="Medians over the repetitions (turns/s range in brackets). Hit and computed tokens: vLLM's counters "
         "summed over replicas. Peers get full-history /v1/completions (X-Session-ID set); the bridge, gRPC episodes. "
         "exact = share of turns whose credited prefix equalled vLLM's reported cached tokens (block granularity). "
-        f"Bridges: cache.lookup_budget_ms = {args.lookup_budget_ms:g} (the default 2 ms is sized for a bridge with "
-        "its own core; here bridges, Redis and both engines share 2), fail_open = index operations that failed open. "
+        f"Bridges: cache.lookup_budget_ms = {args.lookup_budget_ms:g} and cache.write_timeout_ms = "
+        f"{args.write_timeout_ms:g} (the defaults, 2 and 50 ms, are sized for a bridge with its own core; here "
+        "bridges, Redis and both engines share 2), fail_open = index operations that failed open. "
         "smg gets text: prompts and observations are words that re-tokenize to the same ids.",
     )
     return 0
@@ -567,6 +569,14 @@ def main() -> int:
         default=25.0,
         help="the bridges' cache.lookup_budget_ms (default 2 ms, sized for a bridge with a core of its own: here the "
         "bridges, Redis and both engines share the machine's cores, and at 2 ms 20-70 lookups a run failed open)",
+    )
+    ap.add_argument(
+        "--write-timeout-ms",
+        type=float,
+        default=250.0,
+        help="the bridges' cache.write_timeout_ms (default 50 ms): one routing write over it puts the index in its "
+        "0.5 s fail-open backoff, and on this machine's shared cores a write's task can wait longer than that for "
+        "the event loop",
     )
     return asyncio.run(main_async(ap.parse_args()))
 
