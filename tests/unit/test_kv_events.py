@@ -263,7 +263,9 @@ async def test_routing_waits_for_delivered_batches_to_be_applied(publisher: Stan
     ix.start()
     try:
         async with asyncio.timeout(10):
-            while not ix.counts["batches"]:  # the subscription is live once a ping gets through
+            # Ping until the subscription is live and the last ping was read: none can arrive late and pass for the
+            # batch below.
+            while not (ix.counts["batches"] and ix.reader is not None and ix.reader.last == publisher.seq - 1):
                 publisher.publish([])
                 await asyncio.sleep(0.05)
             assert await ix.settled(10) and not ix.behind
