@@ -10,9 +10,11 @@ never counts a prompt's last token as cached).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -34,6 +36,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
 BLOCK = 32
 KV_BLOCKS = 24
 SALT = str(CacheSalt("smollm2", 0))
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +99,21 @@ async def credited(server: BridgeServer, tokens: list[int]) -> int:
     return min(match.blocks.get(0, 0), (len(tokens) - 1) // BLOCK) * BLOCK
 
 
-async def credited_soon(server: BridgeServer, tokens: list[int], want: int, within_s: float = 20.0) -> int:
-    """``credited`` once it equals ``want``, or its value after ``within_s``: the index follows the engine's
-    events, which a loaded machine may deliver seconds after the response (the index is eventually exact)."""
-    got = await credited(server, tokens)
+async def eventually(ask: Callable[[], Awaitable[T]], done: Callable[[T], bool], within_s: float = 20.0) -> T:
+    """``ask()`` every 0.2 s until ``done`` holds of its answer, at most ``within_s``; the last answer."""
+    got = await ask()
     for _ in range(int(within_s / 0.2)):
-        if got == want:
+        if done(got):
             break
         await asyncio.sleep(0.2)
-        got = await credited(server, tokens)
+        got = await ask()
     return got
+
+
+async def credited_soon(server: BridgeServer, tokens: list[int], want: int) -> int:
+    """``credited`` once it equals ``want``, or its value after 20 s: the index follows the engine's events, which
+    a loaded machine may deliver seconds after the response (the index is eventually exact)."""
+    return await eventually(lambda: credited(server, tokens), lambda got: got == want)
 
 
 async def post(url: str, json: object = None) -> httpx.Response:
@@ -216,12 +224,8 @@ async def test_the_index_follows_evictions_a_reset_and_a_restart(
     for ep in on1:
         hashes = router.fingerprinter.hashes(histories[ep], SALT)
         assert router.index is not None
-        match = await router.index.lookup(hashes)
-        for _ in range(100):  # a lookup that timed out on a loaded machine failed open (ok False): ask again
-            if match.ok:
-                break
-            await asyncio.sleep(0.2)
-            match = await router.index.lookup(hashes)
+        # A lookup that timed out on a loaded machine failed open (ok False): ask again.
+        match = await eventually(functools.partial(router.index.lookup, hashes), lambda m: m.ok)
         assert match.ok and match.blocks.get(1, 0) == len(hashes), match
 
     # 2. A cache reset: vLLM sends AllBlocksCleared at its next step; replica 0's entries go.
