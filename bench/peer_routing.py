@@ -574,9 +574,9 @@ def main() -> int:
         "--write-timeout-ms",
         type=float,
         default=250.0,
-        help="the bridges' cache.write_timeout_ms (default 50 ms): one routing write over it puts the index in its "
-        "0.5 s fail-open backoff, and on this machine's shared cores a write's task can wait longer than that for "
-        "the event loop",
+        help="the bridges' cache.write_timeout_ms (default 50 ms): a routing write over it is given up (its "
+        "entries may never reach Redis), and on this machine's shared cores a write's task can wait longer than that "
+        "for the event loop",
     )
     return asyncio.run(main_async(ap.parse_args()))
 

@@ -73,7 +73,8 @@ class IndexStats:
     fail_open: int = 0  # lookups answered "no information" (errors, budget, backoff)
     errors: int = 0  # backend errors (lookups and writes)
     slow: int = 0  # lookups over the budget
-    write_errors: int = 0
+    write_errors: int = 0  # background writes lost (errors and timeouts)
+    slow_writes: int = 0  # of which over write_timeout_ms
     near_cache_hits: int = 0  # blocks answered from the local near-cache
     round_trips: int = 0  # backend round trips (Redis pipelines / scripts)
     evictions: int = 0

@@ -36,7 +36,8 @@ bridge's own writes invalidate them. Writes run in the background, so ``recent``
 this bridge recorded that had not reached Redis when it was asked (``cache/recent.py``: a burst over one
 prefix sees where its first turn went). Every lookup runs under ``lookup_budget_ms``; a
 Redis error or a slow lookup returns ``Match(ok=False)`` (load-only routing), is counted in
-``stats.fail_open``, and Redis is skipped for ``backoff_s`` after an error. Nothing here
+``stats.fail_open``, and Redis is skipped for ``backoff_s`` after an error (a write over ``write_timeout_ms`` is
+given up and counted in ``stats.slow_writes``, like a slow lookup: no backoff). Nothing here
 raises to the caller; redis-py reconnects by itself once Redis is back.
 
 Time is wall-clock milliseconds (shared by all bridges; provisional expiry only needs
@@ -57,6 +58,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from cache.config import CacheConfig
@@ -99,7 +101,10 @@ class RedisIndex:
             url,
             socket_timeout=max(budget, config.write_timeout_ms / 1e3),
             socket_connect_timeout=max(budget, 0.05),
-            retry=Retry(NoBackoff(), 0),
+            # Once, on a new connection, after a connection error: after a Redis restart every pooled connection
+            # is dead, and without it each would fail once, each failure putting the index in its backoff. (A
+            # Redis that is down refuses the new connection at once: one error, the backoff.)
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             health_check_interval=0,
         )
         # KV event writes (``sync``) are awaited off the request path: their own connections, a longer timeout.
@@ -292,7 +297,13 @@ class RedisIndex:
                     self.stats.write_errors += 1
                 return
             await self._write_now(op, replica, hashes, self.cfg.write_timeout_ms / 1e3)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except TimeoutError:
+            # Slow, like a lookup over its budget: given up and counted, but no backoff. The write is off the
+            # request path, and on a busy host its wait is the event loop's as much as Redis's; backing off would
+            # fail every lookup open for ``backoff_s`` over one late task (measured: bench/peer_routing.py).
+            self.stats.write_errors += 1
+            self.stats.slow_writes += 1
+        except (RedisError, OSError) as exc:
             self.stats.write_errors += 1
             self._failed(exc, op)
         finally:

@@ -368,10 +368,35 @@ async def test_load_board_shares_in_flight_load_and_fails_open(
     assert pa.replicas.remote == [0, 0, 0] and ba.errors == 1
 
 
+async def test_a_routing_write_over_its_timeout_is_given_up_without_failing_lookups_open(
+    redis_server: PrivateRedis,
+) -> None:
+    """A write that outlives write_timeout_ms is lost and counted, but (unlike a Redis error) puts the index in no
+    backoff: the next lookup asks Redis. With a backoff, every lookup for backoff_s (5 s here) would fail open."""
+    from redis.asyncio import Redis
+
+    cfg = CFG.model_copy(update={"write_timeout_ms": 50, "backoff_s": 5.0})
+    idx, admin = RedisIndex(redis_server.url, cfg), Redis.from_url(redis_server.url)
+    held, late = FP.hashes(list(range(100, 108)), SALT), FP.hashes(list(range(200, 208)), SALT)
+    try:
+        await idx.confirm(0, held)
+        await idx.flush()
+        await admin.execute_command("CLIENT", "PAUSE", 200, "ALL")  # Redis stalls for 200 ms
+        await idx.confirm(1, late)
+        await idx.flush()  # gave up after 50 ms
+        assert (idx.stats.write_errors, idx.stats.slow_writes, idx.stats.errors) == (1, 1, 0)
+        await asyncio.sleep(0.25)  # the pause is over
+        match = await idx.lookup(held)
+        assert match.ok and match.blocks == {0: 2} and idx.stats.fail_open == 0
+    finally:
+        await admin.aclose()
+        await idx.close()
+
+
 async def test_kv_event_writes_outwait_a_stalled_redis_and_a_lost_one_drops_the_replica(
     redis_server: PrivateRedis,
 ) -> None:
-    """A routing write gives up after write_timeout_ms (fail open); a KV event write must not be lost that way:
+    """A routing write gives up after write_timeout_ms (lost, counted); a KV event write must not be lost that way:
     it waits out a stall the routing write gave up on. One that still fails leaves the replica's entries
     untrusted: they are dropped when Redis answers again."""
     from redis.asyncio import Redis
@@ -392,7 +417,6 @@ async def test_kv_event_writes_outwait_a_stalled_redis_and_a_lost_one_drops_the_
         await ix.apply(Batch(0, 0.0, (Stored((1, 2), None, first, BS, None, SALT),)))  # waits
         await idx.flush()
         assert idx.stats.write_errors == 1 and ix.counts["write_failures"] == 0
-        await asyncio.sleep(cfg.backoff_s)
         assert (await idx.lookup(FP.hashes(first, SALT))).blocks == {0: 2}
 
         await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")  # longer than both tries of an event write
