@@ -21,7 +21,8 @@ event confirms or evicts them; one nothing confirms expires after ``cache.provis
 
 Read-your-writes: before each decision the event batches that have reached the bridge are applied
 (``EventIndexer.settled``, at most ``cache.event_settle_ms``), and the policy counts this bridge's
-own provisional writes that Redis may not show yet (``cache/recent.py``). An episode's first turn is
+own provisional writes that Redis may not show yet (``cache/recent.py``), each recorded as its decision is
+made, before the bridge awaits anything else. An episode's first turn is
 not credited with what its own placement (``place``, at StartEpisode) recorded: the engine has
 computed none of it; the other members of its GRPO group are.
 

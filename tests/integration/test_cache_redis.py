@@ -90,6 +90,19 @@ async def test_a_lookup_asked_before_this_bridges_write_landed_still_reads_it(
     assert a.recent(asked, hashes).blocks == {}
 
 
+async def test_a_burst_of_first_turns_over_one_prompt_goes_where_the_first_of_them_went(
+    two_indexes: tuple[RedisIndex, RedisIndex],
+) -> None:
+    """Sessions over one system prompt, started at once on one bridge: each decision is recorded before the bridge
+    awaits anything else (its episode pin goes to Redis after), so the ones decided meanwhile find it and follow
+    it, instead of the prompt being prefilled on every replica."""
+    policy = CacheAware(2, two_indexes[0], FP)
+    system = list(range(64))
+    decisions = await asyncio.gather(*(policy.choose(req(f"s{i}", [*system, 1000 + i], first=True)) for i in range(4)))
+    assert [d.replica for d in decisions] == [decisions[0].replica] * 4, [(d.replica, d.reason) for d in decisions]
+    assert [d.reason for d in decisions[1:]] == ["cache"] * 3
+
+
 async def test_entries_written_by_another_process_are_seen(redis_server: PrivateRedis) -> None:
     code = (
         "import asyncio, sys\n"
