@@ -4,10 +4,10 @@ An adapter update (UpdateWeights with ``adapter``) is prepare, load, verify, the
 
 - prepare, before anything changes: the name, the version, the caller's proof and the adapter directory (the
   engine's own check: vLLM's a peft LoRA directory within the server's ``--max-lora-rank``);
-- load the new version on every replica under its own name (``AdapterRef.served``, ``name@vN``), beside the version
-  that serves: turns keep running on that one all along, so nothing pauses;
-- verify: every replica scores the proof's probe with the new version (the caller's logprobs, else the first
-  replica's are the reference: ``core.proof``);
+- load the new version on every replica at once under its own name (``AdapterRef.served``, ``name@vN``), beside
+  the version that serves: turns keep running on that one all along, so nothing pauses;
+- verify: every replica scores the proof's probe with the new version, all at once (the caller's logprobs, else the
+  first replica's are the reference: ``core.proof``);
 - commit: new turns take the new version; the old one is unloaded once its last turn has ended. Any failure before
   (a replica that cannot load it or fails the proof, the caller gone) unloads the new version everywhere and fails
   naming the replica: the old version never stopped serving.
@@ -31,7 +31,7 @@ from core.types import AdapterRef, Capability, check_adapter_name
 from engines.base import Engine
 from engines.scoring import ScoreRequest
 from server.errors import EngineUnavailable, FailedPrecondition, InvalidArgument, PrimeRLError, Unimplemented
-from server.weights import MAX_POLICY_VERSION, Weights, _to_the_end
+from server.weights import MAX_POLICY_VERSION, Weights, _to_the_end, each
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +160,10 @@ class Adapters:
             try:
                 async with self._weights.stable():  # never beside a base update's apply, verify or rollback
                     mark = time.perf_counter()
-                    for i in replicas:
-                        loaded.append(i)
-                        await self._load(i, ref, path)
+                    loaded.extend(replicas)  # (an unload covers every one, loaded or not)
+                    for result in await each(replicas, lambda i: self._load(i, ref, path), PrimeRLError):
+                        if isinstance(result, PrimeRLError):
+                            raise result  # the first replica, in order, that could not load it
                     self._phase("adapter_load", time.perf_counter() - mark)
                     mark = time.perf_counter()
                     proven = await self._verify(ref, loaded, proof)
@@ -216,9 +217,13 @@ class Adapters:
         proof = proof or WeightProof()
         want = list(proof.logprobs) or None
         probe = proof.token_ids or default_probe(self.engines[0].info.vocab_size)
-        for i in scorers:
+        request = ScoreRequest(probe, 1, adapter=ref)
+        scores = await each(scorers, lambda i: self.engines[i].score(request), PrimeRLError)  # type: ignore[attr-defined]
+        for i, score in zip(scorers, scores, strict=True):
             engine = self.engines[i]
-            got = (await engine.score(ScoreRequest(probe, 1, adapter=ref))).logprobs.tolist()  # type: ignore[attr-defined]
+            if isinstance(score, PrimeRLError):
+                raise score
+            got = score.logprobs.tolist()
             if want is None:
                 want = got
                 continue

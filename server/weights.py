@@ -5,8 +5,9 @@ An update is prepare, apply, verify, then commit or roll back:
 - prepare, before anything pauses: the version, the caller's proof, and the checkpoint (``prepare``: the engine's
   own check, files complete, the served model's tensors, shapes and dtypes, a content digest, where the engine
   loads it from a filesystem the bridge shares);
-- apply and verify with no turn running (``exclusive`` outside a fleet, the fleet's barrier in one): each replica
-  loads, then each that can score proves what it serves (``core.proof``); the version commits only when all did;
+- apply and verify with no turn running (``exclusive`` outside a fleet, the fleet's barrier in one): every replica
+  loads at once, then every one that can score proves what it serves (``core.proof``), all at once too (``each``:
+  the pause is the slowest replica's, not the sum); the version commits only when all did;
 - any failure before the commit (a failed proof, a refusal, the caller gone) sends every replica the update
   reached back to its previous checkpoint and version; a replica that cannot go back, or that failed to load or to
   answer, is fenced (``tainted``: out of rotation, left out of ``version``) and the others go on;
@@ -21,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 MAX_POLICY_VERSION = 2**63 - 1
 T = TypeVar("T")
+E = TypeVar("E", bound=PrimeRLError)
 ABORTED_DRAIN_S = 30.0  # how long aborted turns may take to end before an update gives up (nothing loaded)
 
 
@@ -305,22 +307,25 @@ class Weights:
     async def _load(
         self, paths: list[str], version: int, keep_kv: bool, attempted: list[int]
     ) -> tuple[list[int], list[tuple[str, EngineError]]]:
-        """Apply: load on each replica in turn (``attempted`` grows before each call: a rollback covers it). A
-        replica that fails (dead, unreachable) is fenced and the others go on; any other error is raised."""
+        """Apply: every replica loads at once (``each``; ``attempted`` lists them before: a rollback covers them).
+        A replica that fails (dead, unreachable) is fenced and the others go on; any other error is raised."""
+        replicas = [i for i in range(len(self.engines)) if i not in self.removed]
+        attempted.extend(replicas)
+
+        def load(i: int) -> Awaitable[None]:
+            update = WeightUpdate(checkpoint_path=paths[i], policy_version=version, keep_kv=keep_kv)
+            return self.engines[i].update_weights(update)
+
+        results = await each(replicas, load, EngineError)
         done: list[int] = []
         failed: list[tuple[str, EngineError]] = []
-        for i, (engine, path) in enumerate(zip(self.engines, paths, strict=True)):
-            if i in self.removed:
-                continue
-            attempted.append(i)
-            try:
-                await engine.update_weights(WeightUpdate(checkpoint_path=path, policy_version=version, keep_kv=keep_kv))
-            except EngineError as exc:
-                # Go on with the others: one dead replica must not hold every replica at the old version.
-                self._fence(i, f"weight update to version {version} failed: {exc.message}")
-                failed.append((engine.info.replica, exc))
-                continue
-            done.append(i)
+        for i, result in zip(replicas, results, strict=True):
+            if isinstance(result, EngineError):
+                # The others go on: one dead replica must not hold every replica at the old version.
+                self._fence(i, f"weight update to version {version} failed: {result.message}")
+                failed.append((self.engines[i].info.replica, result))
+            else:
+                done.append(i)
         return done, failed
 
     async def _verify(
@@ -336,15 +341,15 @@ class Weights:
         want = list(proof.logprobs) or None
         probe = proof.token_ids or default_probe(self.engines[0].info.vocab_size)
         request = ScoreRequest(probe, 1)
-        for i in scorers:
+        scores = await each(scorers, lambda i: self.engines[i].score(request), EngineError)  # type: ignore[attr-defined]
+        for i, score in zip(scorers, scores, strict=True):
             engine = self.engines[i]
-            try:
-                got = (await engine.score(request)).logprobs.tolist()  # type: ignore[attr-defined]
-            except EngineError as exc:
-                self._fence(i, f"could not prove the weights of version {version}: {exc.message}")
-                failed.append((engine.info.replica, exc))
+            if isinstance(score, EngineError):
+                self._fence(i, f"could not prove the weights of version {version}: {score.message}")
+                failed.append((engine.info.replica, score))
                 done.remove(i)
                 continue
+            got = score.logprobs.tolist()
             if want is None:
                 want = got
                 continue
@@ -380,6 +385,35 @@ class Weights:
             stuck.append(engine.info.replica)
         self._phase("rollback", time.perf_counter() - began)
         return stuck
+
+
+async def each(replicas: Sequence[int], call: Callable[[int], Awaitable[T]], keep: type[E]) -> list[T | E]:
+    """``call(i)`` for every replica at once (each is a server of its own: an update's pause lasts as long as the
+    slowest replica, not the sum of all); each one's result or the ``keep`` error it raised, in ``replicas``' order.
+    Any other exception is raised, the first in that order, once every call has ended; a cancelled caller cancels
+    them all and waits for them: no call outlives this (a rollback that follows never races one)."""
+
+    async def one(i: int) -> T | E:
+        try:
+            return await call(i)
+        except keep as exc:
+            return exc
+
+    tasks = [asyncio.ensure_future(one(i)) for i in replicas]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()
+        await _to_the_end(asyncio.wait(tasks))
+        raise
+    for task in tasks:
+        exc = task.exception()
+        if exc is not None:
+            raise exc
+    return [task.result() for task in tasks]
 
 
 async def _to_the_end(coro: Coroutine[Any, Any, T]) -> T:

@@ -191,6 +191,36 @@ async def test_a_reload_to_the_start_up_weights_also_waits_for_the_running_turns
     assert (await _turn(bridge, 40)).tokens == await _version_0_tokens(40)  # then the start-up weights again
 
 
+async def test_replicas_load_and_prove_at_once_so_the_pause_lasts_the_slowest_not_the_sum() -> None:
+    """Each replica is a server of its own. Each one's load (and then its score of the probe) only goes on once the
+    other's has begun: one replica after the other, the update would never end."""
+    a, b = toy(replica="toy-0"), toy(replica="toy-1")
+    bridge = Bridge([a, b], AdmissionConfig(), SamplingDefaults())
+    began = {(step, i): asyncio.Event() for step in ("update_weights", "score") for i in (0, 1)}
+
+    def meet(engine: ToyEngine, i: int, step: str) -> None:
+        original = getattr(engine, step)
+
+        async def wrapped(arg: object) -> object:
+            if isinstance(arg, WeightUpdate) and arg.policy_version != 1:
+                return await original(arg)  # a rollback (the sequential code's, after the timeout) goes through
+            began[step, i].set()
+            await began[step, 1 - i].wait()
+            return await original(arg)
+
+        setattr(engine, step, wrapped)
+
+    for i, engine in enumerate((a, b)):
+        meet(engine, i, "update_weights")
+        meet(engine, i, "score")
+    try:
+        async with asyncio.timeout(10):
+            assert await bridge.update_weights("ckpt", 0, False, proof=await proof_for(1)) == 1
+    except TimeoutError:
+        pytest.fail(f"the replicas did not load and prove at once: {sorted(k for k, e in began.items() if e.is_set())}")
+    assert (a.policy_version, b.policy_version, bridge.policy_version) == (1, 1, 1)
+
+
 async def test_a_cancelled_update_rolls_every_replica_back_before_turns_resume() -> None:
     """The caller gone mid-update (its deadline, a disconnect): the replicas that loaded go back all the same."""
     a, b = toy(replica="toy-0"), toy(replica="toy-1", token_delay_s=0.0)
