@@ -192,8 +192,12 @@ class VllmProcess:
     ) -> VllmProcess:
         """Start vLLM on ``port`` (a free one by default) with KV events on ``events_port`` (a free one by default;
         its replay socket on the next port) and ``extra_args`` appended; ``env`` adds variables."""
+        if not port and not events_port:  # HTTP, KV events, their replay: three ports, never one twice
+            port = free_ports(3)
+            events_port = port + 1
         port = port or free_port()
-        events_port = events_port or free_ports(2)  # the replay socket binds the next one
+        while not events_port or port in (events_port, events_port + 1):  # (two draws once gave one port twice)
+            events_port = free_ports(2)  # the replay socket binds the next one
         log = log_path.open("wb")
         proc = subprocess.Popen(
             [*vllm_cpu_command(model_dir, port, served_name), *extra_args],
