@@ -212,6 +212,7 @@ class EventReader:
         self.topic = topic.encode()
         self.replay_timeout_s = replay_timeout_s
         self.last: int | None = None
+        self._filling = False  # replaying a gap (``pending``)
         self._ctx = zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
 
@@ -229,7 +230,10 @@ class EventReader:
 
     def pending(self) -> bool:
         """Whether a batch has reached the socket and waits to be read (``zmq.EVENTS``; pyzmq's asyncio socket
-        re-arms its own reader when asked this way, so the read in ``messages`` still wakes)."""
+        re-arms its own reader when asked this way, so the read in ``messages`` still wakes), or one that was read
+        waits for the replay of a gap before it."""
+        if self._filling:  # a gap's batches are being replayed: the batch that showed it waits behind them
+            return True
         return self._sub is not None and bool(int(self._sub.get(zmq.EVENTS)) & zmq.POLLIN)
 
     async def messages(self) -> AsyncIterator[Message]:
@@ -266,7 +270,11 @@ class EventReader:
 
     async def _fill(self, start: int, stop: int) -> list[Message]:
         """Batches ``start .. stop - 1`` from the replay endpoint, or a ``Resync`` if they cannot all be had."""
-        got = await self.replay(start) if self.replay_endpoint else {}
+        self._filling = True
+        try:
+            got = await self.replay(start) if self.replay_endpoint else {}
+        finally:
+            self._filling = False
         missing = [s for s in range(start, stop) if s not in got]
         if missing:
             return [Resync(start, stop)]

@@ -84,7 +84,7 @@ async def settle(ix: EventIndexer, quiet_s: float = 1.0) -> None:
         while True:
             await ix.index.flush()
             seen = ix.counts["batches"] + ix.counts["resyncs"] + ix.counts["restarts"]
-            if seen != last:
+            if seen != last or ix.behind:  # (behind: a batch read waits for a gap's replay)
                 last, since = seen, time.monotonic()
             elif time.monotonic() - since >= quiet_s:
                 return
