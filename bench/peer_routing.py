@@ -24,7 +24,8 @@ prefix caches reset before each run.
 Figures per run: prefix-cache hit tokens and prompt tokens computed, summed over replicas (vLLM's own counters:
 ``vllm:prefix_cache_hits``, ``vllm:prompt_tokens``); turn latency p50 / p99; completed turns/s; for our bridge the
 index's predictions against vLLM's reports (``primerl_routing_predictions{outcome}``: exact at block granularity).
-Medians over the repetitions, with the spread (min-max).
+Medians over the repetitions, with the spread (min-max). Before each run both replicas' prefix caches are reset and
+made to publish the reset (``reset``), so no KV-event bridge hears of it mid-run.
 
     python bench/peer_routing.py [--reps 3] [--kv-blocks 56] [--workloads agent,grpo,system,mixed] [--systems ...]
 """
@@ -358,8 +359,15 @@ def bridge_counts(metric_ports: list[int]) -> dict[str, float]:
 
 
 def reset(replicas: list[VllmProcess]) -> None:
+    """Empty every replica's prefix cache, then have each publish its ``AllBlocksCleared`` now: vLLM sends it at its
+    next engine step, which would otherwise be the run's first turn, and a KV-event bridge applying it mid-run drops
+    what its first decisions had just recorded there (turns over the same prompt decided after that went by load).
+    A one-token prompt stores no block, and it runs before the run's counters are read."""
     for r in replicas:
         httpx.post(f"{r.url}/reset_prefix_cache", timeout=60, trust_env=False).raise_for_status()
+    for r in replicas:
+        body = {"model": "smollm2", "prompt": [1], "max_tokens": 1, "temperature": 0}
+        httpx.post(f"{r.url}/v1/completions", json=body, timeout=60, trust_env=False).raise_for_status()
 
 
 # -- one run of one system on one workload ------------------------------------------------------------------
