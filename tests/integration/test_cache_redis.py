@@ -100,7 +100,7 @@ async def test_a_burst_of_first_turns_over_one_prompt_goes_where_the_first_of_th
     system = list(range(64))
     decisions = await asyncio.gather(*(policy.choose(req(f"s{i}", [*system, 1000 + i], first=True)) for i in range(4)))
     assert [d.replica for d in decisions] == [decisions[0].replica] * 4, [(d.replica, d.reason) for d in decisions]
-    assert [d.reason for d in decisions[1:]] == ["cache"] * 3
+    assert sorted(d.reason for d in decisions) == ["cache", "cache", "cache", "load"]  # the first decided: by load
 
 
 async def test_entries_written_by_another_process_are_seen(redis_server: PrivateRedis) -> None:
