@@ -94,7 +94,6 @@ class CacheAware(PolicyBase):
         hashes = list(req.hashes) if req.hashes is not None else self.fp.hashes(req.token_ids, req.salt)
         match = await self.index.lookup(hashes)
         reason: str
-        recorded = False
         # Pins are salted like the hashes: after a weight update no pin (made because a replica
         # held the episode's KV under older weights) steers a turn.
         gkey = f"g:{req.salt}|{req.group_id}" if req.group_id and self.cfg.group_colocate else ""
@@ -140,9 +139,8 @@ class CacheAware(PolicyBase):
             else:
                 # Recorded before the next await too: a turn over the same prefix decided meanwhile (while this
                 # one's pin goes to Redis) finds it through ``recent``, not on the other replica. A group member
-                # records once its group's replica is agreed.
+                # records once its group's replica is agreed (below).
                 await self.index.record(r, hashes)
-                recorded = True
         if self._episodes.get(ekey) != r:
             if not req.first_turn:
                 await self.index.unpin(ekey)  # shed, or its replica is down: the episode moves
@@ -154,7 +152,6 @@ class CacheAware(PolicyBase):
             await self.index.pin(ekey, r, self.pin_ttl_s)
         if gkey:
             self._keys[req.group_id] = gkey
-        if not recorded:
             await self.index.record(r, hashes)
         matched = match.blocks.get(r, 0) * self.fp.block_size if match.ok else 0
         return self._decide(r, reason, matched, hashes, req.n_prompt)
