@@ -40,6 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from core.tasks import cancel_and_wait
 from core.types import WeightUpdate
 from placement.registry import (
     BridgeRecord,
@@ -108,8 +109,7 @@ class FleetMember:
         for task in list(self._tasks):
             task.cancel()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
         with contextlib.suppress(RegistryUnavailable):
             await self.store.leave(self.id)

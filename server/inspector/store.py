@@ -26,6 +26,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from core.tasks import cancel_and_wait
 from server.persistence import EpisodeJournal, PersistenceUnavailable
 
 log = logging.getLogger(__name__)
@@ -144,8 +145,7 @@ class EndedStore:
                 await self._queue.join()
         except TimeoutError:
             self._drop(self._queue.qsize(), "the bridge stopped before Redis took them")
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
     # -- reads (awaited by the routes, bounded by timeout_s) -------------------------------------------------------
 
