@@ -93,7 +93,12 @@ demo-ppo: setup
 # docs/testing.md).
 TEST_WORKERS ?= $(shell awk -v c="$$(nproc)" '/^MemTotal/ {m = int($$2 / 8388608); w = c + 1; \
 	if (m < w) w = m; print (w < 1 ? 1 : w)}' /proc/meminfo 2>/dev/null || echo 2)
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+# The fast tier loads no model and starts no vLLM, so memory does not cap it: one worker more than the cores. Its
+# tests wait on bridge children, sockets and timers much of the time (2-core machine, warm: 209 s on 3 workers,
+# 245 s on 2; docs/testing.md).
+TEST_FAST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
+PYTEST_ON = $(PY) -m pytest -q -n $(1) --dist loadscope --no-loadscope-reorder
+PYTEST := $(call PYTEST_ON,$(TEST_WORKERS))
 # ruff first (it fails fast, ~2 s); lint-imports and mypy (~60 s with an empty cache) run beside the suite, print
 # their output as soon as they fail, and fail the run at its end (bench/out/lint.log). The vLLM and verifiers
 # virtualenvs (network- and disk-bound, ~2-4 min on a fresh machine) are provisioned in the background while the
@@ -116,7 +121,8 @@ test: setup check-proto lint-style
 
 # The inner loop (docs/testing.md): unit, contract and toy-engine integration tests, everything not marked slow.
 test-fast: setup
-	PRIMERL_TEST_DURATIONS=bench/out/test_durations_fast.json $(PYTEST) -m "not slow" --durations=10
+	PRIMERL_TEST_DURATIONS=bench/out/test_durations_fast.json $(call PYTEST_ON,$(TEST_FAST_WORKERS)) -m "not slow" \
+		--durations=10
 
 # Deterministic, count-based performance figures vs bench/baselines.json (part of make test).
 gate-fast: setup

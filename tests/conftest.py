@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import errno
 import gc
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +40,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("engine") is not None and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+
+
+def _marked_slow_as_a_whole(path: Path) -> bool:
+    """Whether the module at ``path`` sets ``pytestmark`` to (a list with) ``pytest.mark.slow`` or
+    ``pytest.mark.engine`` at its top level: every test in it is in the slow tier."""
+    try:
+        tree = ast.parse(path.read_bytes(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return False  # collected as usual: pytest reports the problem
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            marks = node.value.elts if isinstance(node.value, ast.List | ast.Tuple) else [node.value]
+            return any(ast.unparse(m) in ("pytest.mark.slow", "pytest.mark.engine") for m in marks)
+    return False
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``-m "not slow"`` (``make test-fast``): a module marked slow as a whole is not even imported (every xdist
+    worker collects every module; those modules' imports, torch and the training stack, cost each worker seconds
+    for tests it deselects anyway)."""
+    if config.getoption("markexpr", "") != "not slow" or collection_path.suffix != ".py":
+        return None
+    return True if collection_path.name.startswith("test_") and _marked_slow_as_a_whole(collection_path) else None
 
 
 _LIBC = ctypes.CDLL(None)  # this process's C library: glibc on the supported platforms (malloc_trim)
