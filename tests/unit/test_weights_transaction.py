@@ -89,7 +89,7 @@ async def test_a_bad_proof_is_refused_before_anything_pauses_or_loads() -> None:
     a = toy()
     bridge = Bridge([a], AdmissionConfig(), SamplingDefaults())
     bad = [
-        (WeightProof(PROBE, (-1.0,)), r"probe_logprobs has 1 values; it must have one per probe token .* \(32\)"),
+        (WeightProof(PROBE, (-1.0,)), r"probe_logprobs has 1 values; it must have one per probe token .* \(8\)"),
         (WeightProof((), (-1.0,)), "without the probe_token_ids"),
         (WeightProof((1,), ()), "needs 2 to"),
         (WeightProof((1, 9999), ()), "probe_token_ids"),
