@@ -12,13 +12,17 @@ An ``EventIndexer`` reads one replica's KV events (``cache/kv_events.py``) and w
   (``Restarted``): every entry of the replica is dropped (``forget_replica``); later events relearn it.
 
 A map from the engine's block hashes to ours (per replica, as large as the replica's cache) turns
-removals into our keys. A block whose parent or salt is unknown (stored before the bridge subscribed
-and not replayed, or sent by another bridge with a salt this one never used) is not indexed; it is
-counted as ``unmapped``, and its removal later is ignored. Writes (``PrefixIndex.sync``) are awaited one
-event at a time, so a store and a removal of one block reach Redis in the engine's order; they are not the
-routing path's fire-and-forget writes, which give up after ``write_timeout_ms`` and skip Redis for a backoff
-(a lost event write would make the index lie for good). A write that still fails (Redis down) counts
-``write_failures``: the replica's entries are dropped as soon as Redis answers again, and relearned.
+removals into our keys. It counts copies: vLLM does not de-duplicate its cache (two requests that each fill
+a block with the same content, e.g. greedy runs of one prompt where the prompt ends and the output begins,
+cache two blocks under one hash) and publishes a ``BlockStored`` per block cached and a ``BlockRemoved`` per
+block evicted, so a hash stays in the index until its last copy goes (evicting it at the first removal made
+the index deny a block the replica still held). A block whose parent or salt is unknown (stored before the
+bridge subscribed and not replayed, or sent by another bridge with a salt this one never used) is not
+indexed; it is counted as ``unmapped``, and its removal later is ignored. Writes (``PrefixIndex.sync``) are
+awaited one event at a time, so a store and a removal of one block reach Redis in the engine's order; they
+are not the routing path's fire-and-forget writes, which give up after ``write_timeout_ms`` and skip Redis
+for a backoff (a lost event write would make the index lie for good). A write that still fails (Redis down)
+counts ``write_failures``: the replica's entries are dropped as soon as Redis answers again, and relearned.
 
 Several bridges on one Redis each follow every replica's events and write the same entries (confirming
 twice, or evicting twice, changes nothing); a block stored under a salt only one bridge sent is written by
@@ -62,6 +66,7 @@ class EventIndexer:
         self.name = name or f"replica {replica}"
         self.counts: Counter[str] = Counter()  # stored, removed, cleared, resyncs, ..., batches, write_failures
         self.blocks: dict[EngineHash, tuple[int, ...]] = {}  # engine block hash -> our block hashes
+        self.copies: Counter[EngineHash] = Counter()  # engine block hash -> blocks the replica holds with it
         self._task: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
         self._lost = False  # an event write failed: the replica's entries are unknown until dropped
@@ -186,6 +191,7 @@ class EventIndexer:
 
     async def _drop_all(self, why: str) -> None:
         self.blocks.clear()
+        self.copies.clear()
         if await self._sync("forget"):
             self.counts[why] += 1
             self._lost = False
@@ -234,15 +240,20 @@ class EventIndexer:
             ours = self.fp.chain(parent[-1], e.token_ids)
         for i, h in enumerate(e.block_hashes):
             self.blocks[h] = tuple(ours[i * k : (i + 1) * k])
+            self.copies[h] += 1
         self.counts["stored"] += len(e.block_hashes)
         await self._sync("confirm", ours)
 
     async def _removed(self, hashes: Sequence[EngineHash]) -> None:
         gone: list[int] = []
         for h in hashes:
-            ours = self.blocks.pop(h, None)
-            if ours is not None:
-                gone.extend(ours)
-                self.counts["removed"] += 1
+            if h not in self.blocks:
+                continue  # never mapped (stored before we subscribed, or unmapped): nothing of ours to evict
+            self.counts["removed"] += 1
+            self.copies[h] -= 1
+            if self.copies[h] > 0:
+                continue  # another copy of the block is still cached
+            del self.copies[h]
+            gone.extend(self.blocks.pop(h))
         if gone:
             await self._sync("evict", gone)

@@ -192,6 +192,53 @@ async def test_batches_missed_while_away_are_replayed_or_resynced(events_vllm: V
     assert len(resyncs) >= 2 and resyncs[0].expected == 0, got_b  # joined late, then away
 
 
+async def test_a_block_vllm_caches_twice_stays_indexed_until_its_last_copy_goes(
+    bridge: tuple[BridgeServer, AsyncBridgeClient], events_vllm: VllmProcess
+) -> None:
+    """vLLM does not de-duplicate its cache: two greedy requests over one prompt each fill their own copy of the
+    block where the prompt ends and the (identical) output begins, and vLLM publishes a store for each and, later,
+    a removal for each. Evicting the first copy must leave the block indexed while the second is cached.
+    (Before the restart test: it leaves this module's server stopped.)"""
+    server, client = bridge
+    ix = indexer_of(server)
+    for seed in range(41, 47):  # a turn of the bridge on replica 0: the salt of that replica's events is known
+        if (await episode(client, server, seed, turns=1))[1] == 0:
+            break
+    else:
+        raise AssertionError("no episode went to replica 0")
+    prompt = [(i * 7919) % 40000 + 300 for i in range(8 * BLOCK - 6)]  # block 8 = its last 26 + 6 generated
+    body = {
+        "model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "cache_salt": vllm_salt(SALT), "return_token_ids": True,
+    }  # fmt: skip
+    url = f"{events_vllm.url}/v1/completions"
+    first, second = await asyncio.gather(post(url, body), post(url, body))
+    out = first.json()["choices"][0]["token_ids"]
+    assert out == second.json()["choices"][0]["token_ids"]  # greedy: the same block twice
+    history = prompt + out[:7]  # 8 full blocks, and the token vLLM never counts as cached
+    await settle(ix)
+    twice = [h for h, n in ix.copies.items() if n == 2]
+    assert twice, dict(ix.counts)
+    assert await credited(server, history) == 8 * BLOCK
+    # Requests of one full block and one token (33 prompt tokens) each need two blocks: the uncached one the last
+    # filler freed (vLLM reuses those first) and the least recently freed cached block, evicted. So the cached
+    # blocks go one at a time, oldest first: the first copy before the second.
+    for i in range(3 * KV_BLOCKS):
+        filler = {
+            "model": "smollm2",
+            "prompt": [(i * 131 + j) % 40000 + 400 for j in range(BLOCK + 1)],
+            "max_tokens": 1,
+        }
+        await post(url, filler)
+        await settle(ix, quiet_s=0.3)
+        if any(ix.copies.get(h, 0) < 2 for h in twice):
+            break
+    once = [h for h in twice if ix.copies.get(h, 0) == 1]
+    assert once, ("both copies went at once", dict(ix.counts))
+    assert await credited(server, history) == 8 * BLOCK  # the index still credits the block vLLM still holds
+    assert await probe(events_vllm.url, history) == 8 * BLOCK
+
+
 async def test_the_index_follows_evictions_a_reset_and_a_restart(
     bridge: tuple[BridgeServer, AsyncBridgeClient], events_vllm: VllmProcess, model_dir: Path
 ) -> None:
