@@ -1,6 +1,6 @@
 """One episode script run unchanged on every engine (embedded, vllm, and the SGLang/TRT-LLM stand-ins).
 
-Also the helpers that put a bridge in front of already-built engine adapters.
+Also the helpers that put a bridge in front of already-built engine adapters, and read its prefix index.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from cache.index import Match, PrefixIndex
 from engines.base import Engine
 from rl_client import AsyncBridgeClient
 from rl_client.errors import FailedPreconditionError
@@ -92,3 +93,14 @@ async def end_when_idle(client: AsyncBridgeClient, episode_id: str):  # type: ig
         except FailedPreconditionError:
             await asyncio.sleep(0.01)
     raise AssertionError("episode stayed busy after its Step ended")
+
+
+async def index_lookup(index: PrefixIndex, hashes: Sequence[int], within_s: float = 20.0) -> Match:
+    """The bridge's index lookup, asked again every 0.2 s while it fails open: a lookup over its budget (2 ms by
+    default) on a machine busy with other tests answers "nothing" (``ok`` False), which reads as "not cached"."""
+    for _ in range(int(within_s / 0.2)):
+        match = await index.lookup(hashes)
+        if match.ok:
+            return match
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"every index lookup failed open for {within_s:g} s")

@@ -10,7 +10,6 @@ never counts a prompt's last token as cached).
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from engines.http.vllm import vllm_salt
 from engines.launch import VllmProcess, provision_vllm
 from rl_client import AsyncBridgeClient
 from server.app import BridgeServer
-from tests.integration.engine_script import bridge_over
+from tests.integration.engine_script import bridge_over, index_lookup
 from tests.integration.redis_proc import PrivateRedis
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -95,10 +94,7 @@ async def credited(server: BridgeServer, tokens: list[int]) -> int:
     """Tokens of ``tokens`` the index credits to replica 0, capped as vLLM caps cached tokens."""
     router = server.bridge.router
     assert router.index is not None
-    lookup = functools.partial(router.index.lookup, router.fingerprinter.hashes(tokens, SALT))
-    # A lookup over its budget on a loaded machine fails open (ok False, nothing credited): ask again.
-    match = await eventually(lookup, lambda m: m.ok)
-    assert match.ok, "every lookup failed open for 20 s"
+    match = await index_lookup(router.index, router.fingerprinter.hashes(tokens, SALT))
     return min(match.blocks.get(0, 0), (len(tokens) - 1) // BLOCK) * BLOCK
 
 
@@ -274,8 +270,8 @@ async def test_the_index_follows_evictions_a_reset_and_a_restart(
     for ep in on1:
         hashes = router.fingerprinter.hashes(histories[ep], SALT)
         assert router.index is not None
-        match = await eventually(functools.partial(router.index.lookup, hashes), lambda m: m.ok)  # (``credited``)
-        assert match.ok and match.blocks.get(1, 0) == len(hashes), match
+        match = await index_lookup(router.index, hashes)
+        assert match.blocks.get(1, 0) == len(hashes), match
 
     # 2. A cache reset: vLLM sends AllBlocksCleared at its next step; replica 0's entries go.
     await post(f"{events_vllm.url}/reset_prefix_cache")
