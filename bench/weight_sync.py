@@ -10,7 +10,9 @@ full-weight updates, alternating two checkpoints (SmolLM2 with its final norm sc
 Figures per configuration (medians over the updates): total (the UpdateWeights call, client side), pause (no replica
 generates: apply + verify, ``primerl_weight_update_seconds{phase="pause"}``) and held (new turns wait: the drain while
 running turns finish, plus the pause; ``phase="held"``), the longest over the bridges, their shares of the total, the
-phases (prepare, drain, apply, verify), time to first token after resume (the earliest
+phases (prepare, and within it the staging: a vLLM replica loads the checkpoint beside the served weights while the
+rollouts go on, so that its apply is a swap, ``engines/http/vllm_staging.py``; drain, apply, verify), time to first
+token after resume (the earliest
 first token of a Step after the call returned, minus its return), and Steps in flight kept (running when the update
 began and ended without ABORT: pause keep).
 
@@ -63,7 +65,7 @@ from rl_client.errors import FailedPreconditionError
 from tests.integration.lora_adapters import adapter_proof, make_adapter
 from tests.integration.redis_proc import PrivateRedis
 
-PHASES = ("prepare", "drain", "apply", "verify", "pause", "held", "total")
+PHASES = ("prepare", "stage", "drain", "apply", "verify", "pause", "held", "total")
 ADAPTER_PHASES = ("adapter_prepare", "adapter_load", "adapter_verify", "adapter_total")
 LORA_ENV = {"PRIMERL_VLLM_LORA_RANK": "8"}
 PROMPT = list(range(200, 264))
@@ -363,8 +365,8 @@ async def main_async(args: argparse.Namespace) -> int:
         rows.append((f"{name}: pause share of total", f"{m['pause_share']:.0%}", target))
         rows.append((f"{name}: held share of total", f"{m['held_share']:.0%}", ""))
         rows.append((
-            f"{name}: prepare / drain / apply / verify (s)",
-            f"{m['prepare']:.2f} / {m['drain']:.2f} / {m['apply']:.2f} / {m['verify']:.3f}", "",
+            f"{name}: prepare (of which staging) / drain / apply / verify (s)",
+            f"{m['prepare']:.2f} ({m['stage']:.2f}) / {m['drain']:.2f} / {m['apply']:.3f} / {m['verify']:.3f}", "",
         ))  # fmt: skip
         rows.append((f"{name}: first token after resume (s)", f"{m['ttft_after_resume']:.3f}", ""))
         rows.append((f"{name}: Steps in flight kept", f"{m['kept_total']:.0f} / {m['in_flight_total']:.0f}", "all"))

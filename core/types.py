@@ -367,11 +367,13 @@ def check_adapter_name(name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class WeightUpdate:
-    """Load the weights in ``checkpoint_path`` as ``policy_version``."""
+    """Load the weights in ``checkpoint_path`` as ``policy_version``; ``restore``: a rollback to the weights the
+    replica served before the update in progress (an engine that kept them, vLLM's staged twin, swaps them back)."""
 
     checkpoint_path: str
     policy_version: int
     keep_kv: bool = False
+    restore: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,9 @@
 #                          (UpdateWeights with adapter: /v1/load_lora_adapter), up to 4 versions at once.
 #   PRIMERL_VLLM_LORA_TARGETS  the modules LoRA applies to (--lora-target-modules), space-separated; default the
 #                          decoder's linear layers (q/k/v/o_proj, gate/up/down_proj), not lm_head.
+#   PRIMERL_VLLM_STAGED_RELOAD 1 (default): load engines/http/vllm_worker/ as a worker extension, so a
+#                          full-weight update loads into a twin of the model while vLLM serves and only the
+#                          swap is paused (one more copy of the weights in memory); 0: vLLM's in-place reload.
 #   VLLM_CPU_KVCACHE_SPACE KV cache size in GiB (default 2)
 #   VLLM_SERVER_DEV_MODE   1 (default here): /collective_rpc, /reset_prefix_cache, /pause,
 #                          /resume, /sleep, /weight_info, ... Set 0 to disable.
@@ -122,6 +125,12 @@ if [[ "${PRIMERL_VLLM_KV_EVENTS:-1}" == 1 ]]; then
     "$HOST" "$EV_PORT" "$HOST" "$((EV_PORT + 1))" >&2
   printf '[serve_vllm]   http://%s:%s#kv-events=tcp://%s:%s&kv-events-replay=tcp://%s:%s\n' \
     "$HOST" "$PORT" "$HOST" "$EV_PORT" "$HOST" "$((EV_PORT + 1))" >&2
+fi
+
+if [[ "${PRIMERL_VLLM_STAGED_RELOAD:-1}" == 1 ]]; then
+  # Imports nothing of PrimeRL: only this directory goes on the path.
+  export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/engines/http/vllm_worker${PYTHONPATH:+:$PYTHONPATH}"
+  ARGS+=(--worker-extension-cls primerl_vllm_worker.StagedWeights)
 fi
 
 exec "$PY" -m vllm.entrypoints.openai.api_server \

@@ -81,6 +81,11 @@ class Weights:
         self._proven: WeightProof | None = None  # the update in progress's, until it commits
 
     @property
+    def steady(self) -> bool:
+        """No update is applying, verifying or rolling back (the pause)."""
+        return self._steady.is_set()
+
+    @property
     def version(self) -> int:
         """The newest version a trusted replica serves (a fenced one, ``tainted``, is out of rotation and may carry
         the label of an update that never committed)."""
@@ -105,20 +110,40 @@ class Weights:
 
     async def prepare(self, checkpoint_path: str) -> Manifest | None:
         """The prepare phase, before anything pauses: read the checkpoint's manifest and digest and check it against
-        the served model's; InvalidArgument names the file or tensor at fault. None where the engine loads
-        checkpoints from a filesystem the bridge cannot check (``Capability.LOCAL_CHECKPOINTS``)."""
+        the served model's (InvalidArgument names the file or tensor at fault; None where the engine loads
+        checkpoints from a filesystem the bridge cannot check: ``Capability.LOCAL_CHECKPOINTS``), then have every
+        replica that can stage it beside the served weights (``stage``)."""
         info = self.engines[0].info
         if not info.supports_weight_updates:
             raise Unimplemented(f"engine {info.engine!r} cannot load new weights at run time")
-        if Capability.LOCAL_CHECKPOINTS not in info.capabilities:
-            return None
-        began = time.perf_counter()
-        manifest = await asyncio.to_thread(self._prepare, checkpoint_path, info.base_weights)
-        log.info(
-            "checkpoint %s checked in %.2f s: %d tensors, %.1f MB, %s",
-            manifest.path, time.perf_counter() - began, len(manifest.tensors), manifest.nbytes / 1e6, manifest.digest,
-        )  # fmt: skip
+        manifest = None
+        if Capability.LOCAL_CHECKPOINTS in info.capabilities:
+            began = time.perf_counter()
+            manifest = await asyncio.to_thread(self._prepare, checkpoint_path, info.base_weights)
+            log.info(
+                "checkpoint %s checked in %.2f s: %d tensors, %.1f MB, %s",
+                manifest.path, time.perf_counter() - began, len(manifest.tensors), manifest.nbytes / 1e6,
+                manifest.digest,
+            )  # fmt: skip
+        await self.stage(checkpoint_path)
         return manifest
+
+    async def stage(self, path: str) -> None:
+        """Every replica whose engine can (``stage_weights``: vLLM with PrimeRL's worker extension) loads ``path``
+        beside the weights it serves, while it serves them: the pause then only swaps them in. A replica that does
+        not stage reloads in place under the pause; staging never fails an update."""
+        stagers = [
+            (i, stage) for i, e in enumerate(self.engines)
+            if i not in self.removed and (stage := getattr(e, "stage_weights", None)) is not None
+        ]  # fmt: skip
+        if not stagers:
+            return
+        began = time.perf_counter()
+        results = await asyncio.gather(*(stage(path) for _, stage in stagers), return_exceptions=True)
+        for (i, _), result in zip(stagers, results, strict=True):
+            if isinstance(result, Exception):  # a bug, not a refusal (those are logged and answered None)
+                log.warning("replica %s did not stage %s: %r", self.engines[i].info.replica, path, result)
+        self._phase("stage", time.perf_counter() - began)
 
     def _prepare(self, path: str, base: str) -> Manifest:
         for check in {type(e): getattr(e, "check_checkpoint", None) for e in self.engines}.values():
@@ -376,7 +401,7 @@ class Weights:
             why = "its previous weights are unknown (the engine did not say what it started from)"
             if path:
                 try:
-                    await engine.update_weights(WeightUpdate(checkpoint_path=path, policy_version=old))
+                    await engine.update_weights(WeightUpdate(checkpoint_path=path, policy_version=old, restore=True))
                     continue
                 except PrimeRLError as exc:
                     why = exc.message

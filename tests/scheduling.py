@@ -47,6 +47,7 @@ GROUPS = {  # modules that share a session-scoped server: one unit, one worker, 
             "test_control_vllm",
             "test_kv_event_index",
             "test_vllm_kill_during_update",
+            "test_vllm_staged_reload",
         )
     ),
 }

@@ -95,6 +95,7 @@ from engines.http.base import StreamState
 from engines.http.openai_compat import OpenAICompletionsEngine
 from engines.http.spec_turn import SpecTurn
 from engines.http.vllm_lora import UNKNOWN, LoraServer, read_lora_server, scores_alone
+from engines.http.vllm_staging import StagedReload
 from engines.http.wire import finish_from_openai
 from engines.scoring import ScoreRequest, ScoreResult
 
@@ -135,6 +136,7 @@ class VllmEngine(OpenAICompletionsEngine):
     config: VllmConfig
     _loras_loaded: bool = False  # an adapter was loaded here: the server runs with LoRA on (``score``)
     _lora_server: LoraServer | None = None  # what the server applies LoRA to (``vllm_lora``); None: not read yet
+    _twin: StagedReload | None = None  # full-weight reloads staged beside the served weights (``vllm_staging``)
 
     def declared_capabilities(self) -> frozenset[Capability]:
         """Drafts are verified (greedy turns) only with ``vllm.verify_drafts``; checkpoints are checked on the
@@ -157,6 +159,7 @@ class VllmEngine(OpenAICompletionsEngine):
     async def refresh_models(self) -> None:
         await super().refresh_models()
         self._lora_server = None  # a (re)started server: its LoRA set-up is read again
+        self.staging.forget()
         if self.config.max_lora_rank:
             await self.lora_server()
 
@@ -435,33 +438,52 @@ class VllmEngine(OpenAICompletionsEngine):
         if self.config.validate_weight_dir:
             check_weight_dir(path)
 
+    @property
+    def staging(self) -> StagedReload:
+        if self._twin is None:
+            self._twin = StagedReload(self._worker_call, self.label, self.config.weight_update_timeout_s)
+        return self._twin
+
+    async def _worker_call(self, method: str, kwargs: dict[str, str]) -> Any:
+        timeout = self.config.weight_update_timeout_s
+        body = {"method": method, "kwargs": kwargs, "timeout": timeout}
+        results = (await self.request("POST", "/collective_rpc", json_body=body, timeout=timeout)).json()["results"]
+        return results[0]
+
+    async def stage_weights(self, path: str) -> float | None:
+        """Before the pause: the server loads ``path`` beside the served weights (``vllm_staging``), so that the
+        update's pause is a swap; None where it does not (the update reloads in place)."""
+        return await self.staging.stage(path)
+
     async def update_weights(self, update: WeightUpdate) -> None:
-        """Reload weights from a directory through vLLM's dev-mode ``/collective_rpc``."""
+        """Serve the weights in a directory: swapped in where the server staged them (``stage_weights``), else
+        reloaded in place through vLLM's dev-mode ``/collective_rpc``."""
         path = update.checkpoint_path
         if self.config.validate_weight_dir:
             path = str(check_weight_dir(path).resolve())
         async with self.exclusive_update():  # no turn in flight while the weights change
-            try:
-                await self.request(
-                    "POST",
-                    "/collective_rpc",
-                    json_body={
-                        "method": "reload_weights",
-                        "kwargs": {"weights_path": path},
-                        "timeout": self.config.weight_update_timeout_s,
-                    },
-                    timeout=self.config.weight_update_timeout_s,
-                )
-            except Unimplemented:
-                raise Unimplemented(
-                    f"{self.label} has no /collective_rpc endpoint: start vLLM with VLLM_SERVER_DEV_MODE=1 "
-                    "(`primerl engine launch vllm` does) to allow weight reloads"
-                ) from None
+            if not await self.staging.swap(path, update.restore):
+                await self._reload(path)
             self._version = update.policy_version
             if self.config.reset_prefix_cache_on_update and not update.keep_kv:
                 # Only frees memory: the cache salt already keeps old KV from being used.
                 with contextlib.suppress(PrimeRLError):
                     await self.request("POST", "/reset_prefix_cache")
+
+    async def _reload(self, path: str) -> None:
+        """vLLM's in-place reload: the whole load and re-processing of the weights, nothing served meanwhile (through
+        the worker extension where the server has it: ``vllm_staging``)."""
+        if await self.staging.reload(path):
+            return
+        timeout = self.config.weight_update_timeout_s
+        body = {"method": "reload_weights", "kwargs": {"weights_path": path}, "timeout": timeout}
+        try:
+            await self.request("POST", "/collective_rpc", json_body=body, timeout=timeout)
+        except Unimplemented:
+            raise Unimplemented(
+                f"{self.label} has no /collective_rpc endpoint: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                "(`primerl engine launch vllm` does) to allow weight reloads"
+            ) from None
 
     # -- LoRA adapters (module docstring) ------------------------------------------------------
 

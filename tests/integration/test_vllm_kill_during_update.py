@@ -1,12 +1,12 @@
 """A real vLLM replica SIGKILLed during a weight update's apply (issue 36, acceptance 1, the third fault).
 
 One bridge over two real vLLM replicas: the session's server (A, tests/integration/conftest.py; its base weights are
-restored after) and one of this test's own (B, killed). ``UpdateWeights`` with the trainer's proof starts; while A
-reloads, B is SIGKILLed (API server and engine core). The update commits on A (the call reports B's failure:
-UNAVAILABLE naming it), B is fenced (out of rotation, its version not counted), and every token sampled meanwhile and
-after carries a committed version: A's next turn and ScoreTokens are the new weights', at version 1. Then B restarts
-on its start-up weights: the health check reloads it with the committed checkpoint and proves it before it serves;
-its scores equal A's.
+restored after) and one of this test's own (B, killed). ``UpdateWeights`` with the trainer's proof starts; once the
+pause begins (A swaps in the weights it staged, B reloads in place), B is SIGKILLed (API server and engine core). The
+update commits on A (the call reports B's failure: UNAVAILABLE naming it), B is fenced (out of rotation, its version
+not counted), and every token sampled meanwhile and after carries a committed version: A's next turn and ScoreTokens
+are the new weights', at version 1. Then B restarts on its start-up weights: the health check reloads it with the
+committed checkpoint and proves it before it serves; its scores equal A's.
 """
 
 from __future__ import annotations
@@ -32,13 +32,16 @@ from tests.integration.test_engine_vllm import perturbed_checkpoint
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
 PROBE = tuple(range(100, 140))
+IN_PLACE = {"PRIMERL_VLLM_STAGED_RELOAD": "0"}  # scripts/serve_vllm.sh without the worker extension
 
 
 @pytest.fixture
 def own_vllm(model_dir: Path, tmp_path: Path) -> Iterator[tuple[list[VllmProcess], int]]:
     """Replica B: a vLLM server of this test's own (it gets killed and restarted on the same port)."""
     port = free_port()
-    servers = [VllmProcess.start(str(model_dir), tmp_path / "vllm-b1.log", port=port)]
+    # Without the staging extension: B reloads in place (~0.5 s), long enough to be killed during it, and a server
+    # without the extension is shown to take updates (the session's A stages and swaps).
+    servers = [VllmProcess.start(str(model_dir), tmp_path / "vllm-b1.log", port=port, env=IN_PLACE)]
     try:
         servers[0].wait_ready(timeout_s=600)
         yield servers, port
@@ -75,8 +78,9 @@ async def test_a_replica_killed_during_apply_is_fenced_the_other_commits_and_it_
         bridge = server.bridge
         base = (await engines[0].score(ScoreRequest(PROBE, 1))).logprobs.tolist()
         update = asyncio.create_task(client.update_weights(str(ckpt), proof=proof))
-        await asyncio.sleep(0.2)  # the update is applying: A reloads first (~0.5 s), then B
-        assert not update.done()
+        while bridge.weights.steady and not update.done():  # noqa: ASYNC110 - prepare: checked, A stages
+            await asyncio.sleep(0.005)
+        assert not update.done()  # the pause began: A swaps, B reloads in place
         os.killpg(os.getpgid(b.process.pid), signal.SIGKILL)  # API server and engine core
         b.process.wait(30)
         with pytest.raises(UnavailableError) as failed:
@@ -94,7 +98,7 @@ async def test_a_replica_killed_during_apply_is_fenced_the_other_commits_and_it_
         traj = await client.end_episode(started.episode_id)
         assert set(traj.policy_versions.tolist()) == {1}
 
-        servers.append(VllmProcess.start(str(model_dir), tmp_path / "vllm-b2.log", port=port))
+        servers.append(VllmProcess.start(str(model_dir), tmp_path / "vllm-b2.log", port=port, env=IN_PLACE))
         servers[-1].wait_ready(timeout_s=600)  # B again, on its start-up weights
         assert await server.check_health()
         assert bridge.router.replicas.healthy == [True, True] and bridge.weights.tainted == set()
