@@ -322,12 +322,18 @@ async def main_async(args: argparse.Namespace) -> int:
         engines = args.engines.split(",")
         if "vllm" in engines:
             provision_vllm()
-            server = VllmProcess.start(str(model_dir), work / "vllm.log")
-            server.wait_ready(600)
-        for engine in engines:
+        runs = [(e, mode) for e in engines for mode in (args.reload.split(",") if e == "vllm" else [""])]
+        for engine, mode in runs:
+            if engine == "vllm":  # a server per reload mode: with PrimeRL's worker extension (staged) or without
+                if server is not None:
+                    server.stop()
+                env = {"PRIMERL_VLLM_STAGED_RELOAD": "1" if mode == "staged" else "0"}
+                server = VllmProcess.start(str(model_dir), work / f"vllm-{mode}.log", env=env)
+                server.wait_ready(600)
+            label = engine if mode in ("", "staged") else f"{engine} {mode}"
             for n in (int(b) for b in args.bridges.split(",")):
-                print(f"{engine}, {n} bridge(s): {args.updates} updates under {args.concurrency} rollouts", flush=True)
-                results[f"{engine} x{n}"] = await one(engine, n, args, server.url if server else "", redis.url, ckpts)
+                print(f"{label}, {n} bridge(s): {args.updates} updates under {args.concurrency} rollouts", flush=True)
+                results[f"{label} x{n}"] = await one(engine, n, args, server.url if server else "", redis.url, ckpts)
         if args.adapters:
             made = adapters(model_dir, work)
             for engine in engines:
@@ -358,7 +364,7 @@ async def main_async(args: argparse.Namespace) -> int:
     rows: list[tuple[str, str, str]] = []
     figures: dict[str, Any] = {}
     for name, m in results.items():
-        target = "pause <= 40 % of total" if name.startswith("vllm") else ""
+        target = "pause <= 40 % of total" if name.startswith("vllm x") else ""
         rows.append((
             f"{name}: total / held / pause (s)", f"{m['total_client']:.2f} / {m['held']:.2f} / {m['pause']:.2f}", "",
         ))  # fmt: skip
@@ -371,6 +377,13 @@ async def main_async(args: argparse.Namespace) -> int:
         rows.append((f"{name}: first token after resume (s)", f"{m['ttft_after_resume']:.3f}", ""))
         rows.append((f"{name}: Steps in flight kept", f"{m['kept_total']:.0f} / {m['in_flight_total']:.0f}", "all"))
         figures[name] = m
+    for n in args.bridges.split(","):
+        staged, in_place = results.get(f"vllm x{n}"), results.get(f"vllm in-place x{n}")
+        if staged and in_place:  # side by side, one run, one machine
+            rows.append((
+                f"vllm x{n}: pause staged / in place (s)",
+                f"{staged['pause']:.3f} / {in_place['pause']:.3f} ({staged['pause'] / in_place['pause']:.2f}x)", "",
+            ))  # fmt: skip
     for name, a in adapted.items():
         figures[name] = a
         target = "<= 0.5 s" if name.startswith("vllm") else ""
@@ -396,12 +409,13 @@ async def main_async(args: argparse.Namespace) -> int:
     notes = (
         f"{args.updates} full-weight updates per configuration (two checkpoints alternating, each with the caller's "
         f"proof), {args.concurrency} streaming rollouts (24 sampled tokens each) kept going meanwhile; medians. "
-        "Pause = no replica generates (apply + verify: the reload and every replica's proof); held = new turns wait "
-        "(the drain, while the running turns finish, plus the pause and a fleet's barrier), the longest over the "
-        "bridges; total = the UpdateWeights call as the trainer sees it (prepare, the checkpoint's headers and "
-        "digest, runs before anything is held). Adapter updates: one adapter (vLLM: a server with LoRA on), "
-        f"{args.updates} versions under the same rollouts (all on the adapter), each with its transformers + peft "
-        "proof."
+        "Pause = no replica generates (apply + verify: the swap or reload, and every replica's proof); held = new "
+        "turns wait (the drain, while the running turns finish, plus the pause and a fleet's barrier), the longest "
+        "over the bridges; total = the UpdateWeights call as the trainer sees it (prepare, the checkpoint's headers "
+        "and digest, and on vLLM the staging, runs before anything is held). vLLM in-place: the same updates on a "
+        "server without PrimeRL's worker extension (vLLM's own reload under the pause), the baseline. Adapter "
+        f"updates: one adapter (vLLM: a server with LoRA on), {args.updates} versions under the same rollouts (all "
+        "on the adapter), each with its transformers + peft proof."
     )
     record("weight_sync", "Weight updates under rollouts (issue 36)", rows, figures, notes)
     return 0
@@ -414,6 +428,11 @@ def main() -> int:
     p.add_argument("--gap-s", type=float, default=2.0)
     p.add_argument("--engines", default="embedded,vllm")
     p.add_argument("--bridges", default="1,2")
+    p.add_argument(
+        "--reload", default="in-place,staged",
+        help="vLLM full-weight configurations: staged (the default server: loaded beside the served weights, swapped "
+        "in under the pause), in-place (vLLM's own reload: the baseline), side by side",
+    )  # fmt: skip
     p.add_argument("--soak", type=int, default=20, help="updates of the two-bridge, two-replica soak (0: none)")
     p.add_argument("--adapters", type=int, default=1, help="1: the LoRA adapter updates on vLLM too; 0: not")
     return asyncio.run(main_async(p.parse_args()))
