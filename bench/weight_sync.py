@@ -5,7 +5,8 @@ bridges share) x 1 or 2 bridges (two bridges: a fleet on a private Redis; the up
 second pauses with it, and with the embedded engine reloads its own copy from the registry). Rollout clients keep
 ``--concurrency`` streaming episodes going through the bridges (alternating) while the trainer pushes ``--updates``
 full-weight updates, alternating two checkpoints (SmolLM2 with its final norm scaled), each with the caller's proof
-(the probe's logprobs from a transformers copy of those weights), ``--gap-s`` apart.
+(the probe's logprobs from a transformers copy of those weights), ``--gap-s`` apart plus a seeded draw of up to 1.5 x
+that, so that an update lands anywhere in the rollouts' turns (they run in step after each resume).
 
 Figures per configuration (medians over the updates): total (the UpdateWeights call, client side), pause (no replica
 generates: apply + verify, ``primerl_weight_update_seconds{phase="pause"}``) and held (new turns wait: the drain while
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
 import shutil
 import statistics
 import subprocess
@@ -167,7 +169,12 @@ async def one(engine: str, n: int, args: argparse.Namespace, vllm_url: str, redi
         ]  # fmt: skip
         await asyncio.sleep(args.gap_s)
         updates: list[dict[str, float]] = []
+        # Every turn resumes at once after an update, so the rollouts run in step: a fixed gap would start each update
+        # at the same point of their turns and make the drain (what is left of them) a constant of the gap. A seeded
+        # spread of one turn's length (~3 s here) puts it anywhere, the same draws for every configuration.
+        spread = random.Random(f"weight-sync-{n}")
         for k in range(args.updates):
+            await asyncio.sleep(spread.uniform(0.0, args.gap_s * 1.5))
             path, proof = ckpts[k % 2]
             before = [phase_sums(m) for _, m in ports]
             began = time.monotonic()
@@ -333,7 +340,13 @@ async def main_async(args: argparse.Namespace) -> int:
             label = engine if mode in ("", "staged") else f"{engine} {mode}"
             for n in (int(b) for b in args.bridges.split(",")):
                 print(f"{label}, {n} bridge(s): {args.updates} updates under {args.concurrency} rollouts", flush=True)
-                results[f"{label} x{n}"] = await one(engine, n, args, server.url if server else "", redis.url, ckpts)
+                fleet = PrivateRedis()  # a registry of its own: an earlier configuration's lists its own replicas
+                fleet.start()
+                try:
+                    url = server.url if server else ""
+                    results[f"{label} x{n}"] = await one(engine, n, args, url, fleet.url, ckpts)
+                finally:
+                    fleet.close()
         if args.adapters:
             made = adapters(model_dir, work)
             for engine in engines:

@@ -45,6 +45,7 @@ class StagedReload:
         self.available: bool | None = None  # it stages (None: not asked since it started)
         self._staged: tuple[str, str] | None = None  # (directory, token) ready in the twin
         self._undo: tuple[str, str] | None = None  # (the directory served before the last swap, its token)
+        self.last_swap: dict[str, Any] = {}  # the server's report of the last swap (what changed places)
 
     def forget(self) -> None:
         """The server (re)started: its twin, if any, is gone."""
@@ -110,6 +111,8 @@ class StagedReload:
         if not report.get("swapped"):
             log.info("%s: the twin no longer holds %s (%s); reloading in place", self._label, path, report.get("state"))
             return False
+        self.last_swap = report
+        log.debug("%s: swapped in %s: %s", self._label, path, {k: report[k] for k in ("tensors", "attributes")})
         self._undo = (str(report["holds"]), str(report["token"]))
         return True
 

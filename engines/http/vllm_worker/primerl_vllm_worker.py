@@ -172,9 +172,10 @@ def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
-def _swap(live: torch.nn.Module, twin: torch.nn.Module) -> None:
+def _swap(live: torch.nn.Module, twin: torch.nn.Module) -> dict[str, Any]:
     """Exchange the served state of ``live`` and ``twin``: every registered tensor's data, and every other attribute
-    that differs (what processing rebound on the twin); module internals, and all that both share, stay."""
+    that differs (what processing rebound on the twin); module internals, and all that both share, stay. Returns
+    what changed places (the tensors' count, the attributes' names and count)."""
     ours, theirs = _tensors(live), _tensors(twin)
     if ours.keys() != theirs.keys():
         raise RuntimeError(f"the twin's tensors differ from the model's: {sorted(ours.keys() ^ theirs.keys())[:5]}")
@@ -186,17 +187,20 @@ def _swap(live: torch.nn.Module, twin: torch.nn.Module) -> None:
         for name, tensor in ours.items():
             other = theirs[name]
             tensor.data, other.data = other.data, tensor.data
+        names: dict[str, int] = {}
         for a, b in modules:
             da, db = vars(a), vars(b)
             for key in (da.keys() | db.keys()) - _MODULE_INTERNALS:
                 va, vb = da.get(key, _MISSING), db.get(key, _MISSING)
                 if va is vb:
                     continue
+                names[key] = names.get(key, 0) + 1
                 for owner, value in ((da, vb), (db, va)):
                     if value is _MISSING:
                         owner.pop(key, None)
                     else:
                         owner[key] = value
+    return {"tensors": len(ours), "attributes": names}
 
 
 class StagedWeights:
@@ -249,10 +253,10 @@ class StagedWeights:
                 return {**twin.report(), "swapped": False}
             began = time.perf_counter()
             model_config = self.vllm_config.model_config
-            _swap(self.model_runner.get_model(), twin.model)
+            swapped = _swap(self.model_runner.get_model(), twin.model)
             served, model_config.model = os.path.realpath(model_config.model), twin.holds  # as reload_weights does
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 getattr(self.model_runner, reset, lambda: None)()
             twin.token += 1
             twin.holds, twin.seconds = served, time.perf_counter() - began
-            return {**twin.report(), "swapped": True}
+            return {**twin.report(), "swapped": True, **swapped}
