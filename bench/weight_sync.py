@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import shutil
 import statistics
@@ -430,7 +431,64 @@ async def main_async(args: argparse.Namespace) -> int:
         f"updates: one adapter (vLLM: a server with LoRA on), {args.updates} versions under the same rollouts (all "
         "on the adapter), each with its transformers + peft proof."
     )
-    record("weight_sync", "Weight updates under rollouts (issue 36)", rows, figures, notes)
+    record("weight_sync", "Weight updates under rollouts (issue 36)", rows, figures, notes, plots=(plot(figures),))
+    return 0
+
+
+PLOT = Path(__file__).resolve().parent / "plots" / "weight_sync.png"
+
+
+def plot(figures: dict[str, Any]) -> str:
+    """One bar per configuration, its median phases laid end to end: what runs while rollouts go on (prepare, vLLM's
+    staging), the drain (running turns finish, new ones wait) and the pause (nothing generates: apply and verify)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    full = [(name, m) for name, m in figures.items() if "pause_share" in m]
+    lora = [(name, m) for name, m in figures.items() if "adapter_total" in m]
+    PLOT.parent.mkdir(exist_ok=True)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [3, 2]})
+    segments = (
+        ("prepare", lambda m: m["prepare"] - m.get("stage", 0.0), "tab:gray"),
+        ("staging (rollouts go on)", lambda m: m.get("stage", 0.0), "tab:green"),
+        ("drain (new turns wait)", lambda m: m["drain"], "tab:orange"),
+        ("pause: apply", lambda m: m["apply"], "tab:red"),
+        ("pause: verify", lambda m: m["verify"], "darkred"),
+    )
+    for names, axis, parts in ((full, a1, segments), (lora, a2, None)):
+        labels = [name for name, _ in names]
+        left = [0.0] * len(names)
+        for label, value, colour in parts or (
+            ("prepare", lambda m: m["adapter_prepare"], "tab:gray"),
+            ("load (beside the serving one)", lambda m: m["adapter_load"], "tab:green"),
+            ("verify (the proof)", lambda m: m["adapter_verify"], "tab:blue"),
+        ):
+            widths = [max(value(m), 0.0) for _, m in names]
+            axis.barh(labels, widths, left=left, color=colour, label=label)
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+        axis.invert_yaxis()
+        axis.set_xlabel("seconds (medians)")
+        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
+    a1.set_title("Full-weight updates under 4 rollouts")
+    a2.set_title("LoRA adapter updates (nothing pauses)")
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=100)
+    plt.close(fig)
+    return PLOT.relative_to(PLOT.parent.parent).as_posix()
+
+
+def redraw() -> int:
+    """The plot of the last recorded run (``bench/results/weight_sync.json``), and RESULTS.md's summary with it."""
+    from bench import report
+    from bench._common import RESULTS_JSON
+
+    path = RESULTS_JSON / "weight_sync.json"
+    payload = json.loads(path.read_text())
+    payload["plots"] = [plot(payload["figures"])]
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    report.regenerate()
     return 0
 
 
@@ -448,7 +506,9 @@ def main() -> int:
     )  # fmt: skip
     p.add_argument("--soak", type=int, default=20, help="updates of the two-bridge, two-replica soak (0: none)")
     p.add_argument("--adapters", type=int, default=1, help="1: the LoRA adapter updates on vLLM too; 0: not")
-    return asyncio.run(main_async(p.parse_args()))
+    p.add_argument("--redraw", action="store_true", help="only draw the last recorded run's plot again (no run)")
+    args = p.parse_args()
+    return redraw() if args.redraw else asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ tensor, before any pause (the fleet registry's update stamp does not move: no fl
 changed (B's next turn is still version 0, and vLLM never saw them: it would have died on the truncated file).
 The good update carries the trainer's proof (the probe's logprobs from its own fp32 copy of the weights), which vLLM
 matches. Last, weights that load but are not what the proof says (issue 36, acceptance 1, the second fault): vLLM
-loads them, fails the proof, is reloaded with the previous checkpoint; the call fails naming the replica, and B's
-next turn has the previous checkpoint's tokens and logprobs under version 1 on both bridges.
+stages them and swaps them in, fails the proof, swaps the previous checkpoint back; the call fails naming the
+replica, and B's next turn has the previous checkpoint's tokens and logprobs under version 1 on both bridges.
 """
 
 from __future__ import annotations
