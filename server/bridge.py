@@ -45,11 +45,12 @@ from server.errors import DeadlineExceeded, EpisodeBusy, InvalidArgument
 from server.inspector import EpisodeLog, InspectorConfig
 from server.journaled import JournaledStore
 from server.membership import FleetMembership
+from server.pause import exclusive
 from server.persistence import EpisodeJournal
 from server.replicas import Replicas
 from server.steps import StepHandle
 from server.turns import Turns
-from server.weights import Weights, exclusive
+from server.weights import Weights
 from speculation.config import SpeculationConfig
 from speculation.factory import speculation_for
 
@@ -85,8 +86,7 @@ class Bridge:
         # Server defaults < episode < step (``SamplingParams.merge``); every field may have a server default.
         self.defaults = replace(defaults, max_tokens=min(defaults.max_tokens, admission.max_tokens_per_turn))
         self.store = EpisodeStore(admission.max_episodes)
-        # Routing: each turn goes where its prefix is cached, sticky per episode, a GRPO group on one
-        # replica; failed replicas are out of rotation.
+        # Routing: where the turn's prefix is cached, sticky per episode, a GRPO group on one replica, failed ones out.
         self.router = Router(self.engines, cache or CacheConfig(), routing or RoutingConfig(), redis_url)
         self.speculation = speculation_for(speculation, [e.info for e in self.engines], self.tokenizer)
         self.inspector = inspector if inspector is not None else EpisodeLog(InspectorConfig())  # the live inspector

@@ -441,14 +441,8 @@ class VllmEngine(OpenAICompletionsEngine):
     @property
     def staging(self) -> StagedReload:
         if self._twin is None:
-            self._twin = StagedReload(self._worker_call, self.label, self.config.weight_update_timeout_s)
+            self._twin = StagedReload(self.request, self.label, self.config.weight_update_timeout_s)
         return self._twin
-
-    async def _worker_call(self, method: str, kwargs: dict[str, str]) -> Any:
-        timeout = self.config.weight_update_timeout_s
-        body = {"method": method, "kwargs": kwargs, "timeout": timeout}
-        results = (await self.request("POST", "/collective_rpc", json_body=body, timeout=timeout)).json()["results"]
-        return results[0]
 
     async def stage_weights(self, path: str) -> float | None:
         """Before the pause: the server loads ``path`` beside the served weights (``vllm_staging``), so that the
@@ -457,33 +451,17 @@ class VllmEngine(OpenAICompletionsEngine):
 
     async def update_weights(self, update: WeightUpdate) -> None:
         """Serve the weights in a directory: swapped in where the server staged them (``stage_weights``), else
-        reloaded in place through vLLM's dev-mode ``/collective_rpc``."""
+        reloaded in place (``vllm_staging``)."""
         path = update.checkpoint_path
         if self.config.validate_weight_dir:
             path = str(check_weight_dir(path).resolve())
         async with self.exclusive_update():  # no turn in flight while the weights change
-            if not await self.staging.swap(path, update.restore):
-                await self._reload(path)
+            await self.staging.apply(path, update.restore)
             self._version = update.policy_version
             if self.config.reset_prefix_cache_on_update and not update.keep_kv:
                 # Only frees memory: the cache salt already keeps old KV from being used.
                 with contextlib.suppress(PrimeRLError):
                     await self.request("POST", "/reset_prefix_cache")
-
-    async def _reload(self, path: str) -> None:
-        """vLLM's in-place reload: the whole load and re-processing of the weights, nothing served meanwhile (through
-        the worker extension where the server has it: ``vllm_staging``)."""
-        if await self.staging.reload(path):
-            return
-        timeout = self.config.weight_update_timeout_s
-        body = {"method": "reload_weights", "kwargs": {"weights_path": path}, "timeout": timeout}
-        try:
-            await self.request("POST", "/collective_rpc", json_body=body, timeout=timeout)
-        except Unimplemented:
-            raise Unimplemented(
-                f"{self.label} has no /collective_rpc endpoint: start vLLM with VLLM_SERVER_DEV_MODE=1 "
-                "(`primerl engine launch vllm` does) to allow weight reloads"
-            ) from None
 
     # -- LoRA adapters (module docstring) ------------------------------------------------------
 

@@ -23,12 +23,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import httpx
+
 from core.errors import PrimeRLError, Unimplemented
 
 log = logging.getLogger(__name__)
 
-Call = Callable[[str, dict[str, str]], Awaitable[Any]]
-"""``/collective_rpc`` with a method and its kwargs; returns the first worker's result."""
+Request = Callable[..., Awaitable[httpx.Response]]
+"""``RemoteEngine.request``: one control call to the server, errors mapped."""
 
 NOT_IMPLEMENTED = "is not implemented"  # vLLM's answer to a method its workers lack (the server carries on)
 POLL_S = (0.02, 0.2)  # how often ``stage`` asks how the staging goes: first, then at most (doubling)
@@ -37,8 +39,8 @@ POLL_S = (0.02, 0.2)  # how often ``stage`` asks how the staging goes: first, th
 class StagedReload:
     """The client side of one server's twin (module docstring)."""
 
-    def __init__(self, call: Call, label: str, timeout_s: float) -> None:
-        self._call = call
+    def __init__(self, request: Request, label: str, timeout_s: float) -> None:
+        self._request = request
         self._label = label
         self._timeout_s = timeout_s
         self.extension: bool | None = None  # the server has the worker extension (None: not asked since it started)
@@ -46,6 +48,12 @@ class StagedReload:
         self._staged: tuple[str, str] | None = None  # (directory, token) ready in the twin
         self._undo: tuple[str, str] | None = None  # (the directory served before the last swap, its token)
         self.last_swap: dict[str, Any] = {}  # the server's report of the last swap (what changed places)
+
+    async def _call(self, method: str, kwargs: dict[str, str]) -> Any:
+        """``/collective_rpc``: the first (only) worker's result."""
+        body = {"method": method, "kwargs": kwargs, "timeout": self._timeout_s}
+        response = await self._request("POST", "/collective_rpc", json_body=body, timeout=self._timeout_s)
+        return response.json()["results"][0]
 
     def forget(self) -> None:
         """The server (re)started: its twin, if any, is gone."""
@@ -116,18 +124,25 @@ class StagedReload:
         self._undo = (str(report["holds"]), str(report["token"]))
         return True
 
-    async def reload(self, path: str) -> bool:
-        """vLLM's in-place reload through the extension, which also processes again the layers vLLM leaves stale (a
-        tied LM head on CPU: ``primerl_vllm_worker._reprocess_tied``); False where the server lacks the extension
-        (the caller then asks vLLM itself)."""
-        if self.extension is False:
-            return False
+    async def apply(self, path: str, restore: bool = False) -> None:
+        """Under the pause: swap ``path`` in (``swap``), else reload it in place: through the extension, which also
+        processes again the layers vLLM's reload leaves stale (a tied LM head on CPU:
+        ``primerl_vllm_worker._reprocess_tied``), else through vLLM's own ``reload_weights``."""
         try:
-            await self._call("primerl_reload", {"weights_path": path})
-        except PrimeRLError as exc:
-            if NOT_IMPLEMENTED not in exc.message:
-                raise
-            self.extension = self.available = False
-            return False
-        self.extension = True
-        return True
+            if await self.swap(path, restore):
+                return
+            if self.extension is not False:
+                try:
+                    await self._call("primerl_reload", {"weights_path": path})
+                    self.extension = True
+                    return
+                except PrimeRLError as exc:
+                    if NOT_IMPLEMENTED not in exc.message:
+                        raise
+                    self.extension = self.available = False
+            await self._call("reload_weights", {"weights_path": path})
+        except Unimplemented:
+            raise Unimplemented(
+                f"{self._label} has no /collective_rpc endpoint: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                "(`primerl engine launch vllm` does) to allow weight reloads"
+            ) from None

@@ -126,18 +126,20 @@ def _reprocess_tied(model: torch.nn.Module) -> None:
     once, through their owner, and processes only the layers it loaded. On CPU the LM head multiplies with its own
     oneDNN-packed copy of the embedding, which would stay the old one (measured: 0.48 nats off on the probe after
     a reload that changed the embedding)."""
-    owner: dict[int, torch.nn.Module] = {}
-    tied: list[torch.nn.Module] = []
+    holders: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         for param in module._parameters.values():
-            if param is None:
-                continue
-            first = owner.setdefault(id(param), module)
-            if first is not module and module not in tied:
-                tied.append(module)
-    for module in tied:
+            if param is not None:
+                holders.setdefault(id(param), []).append(module)
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    tied: dict[int, torch.nn.Module] = {}  # every holder of a shared parameter: which one vLLM loaded depends on
+    for modules in holders.values():  # the model's load_weights, so both (one re-pack too many)
+        if len(modules) > 1:
+            tied |= {id(m): m for m in modules}
+    for module in tied.values():
         method = getattr(module, "quant_method", None)
-        if method is not None:
+        if isinstance(method, UnquantizedEmbeddingMethod):  # (quantized weights must not be processed twice)
             method.process_weights_after_loading(module)
 
 
