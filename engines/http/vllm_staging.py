@@ -55,6 +55,10 @@ class StagedReload:
         response = await self._request("POST", "/collective_rpc", json_body=body, timeout=self._timeout_s)
         return response.json()["results"][0]
 
+    async def report(self) -> dict[str, Any]:
+        """The server's twin: its state, token and the directory it holds."""
+        return await self._call("primerl_staged", {})
+
     def forget(self) -> None:
         """The server (re)started: its twin, if any, is gone."""
         self.extension, self.available, self._staged, self._undo = None, None, None, None
@@ -77,7 +81,7 @@ class StagedReload:
                     report = await self._call("primerl_stage", {"weights_path": path})
                 else:
                     token = report.get("token")
-                    report = await self._call("primerl_staged", {})
+                    report = await self.report()
                     if report.get("token") != token:  # someone staged over ours
                         break
         except Unimplemented:  # no dev mode: the in-place reload says so

@@ -99,17 +99,17 @@ async def test_a_staged_update_serves_every_new_tensor_and_a_rollback_swaps_back
         }  # fmt: skip
         after = await served()
         assert after == pytest.approx(expected, abs=2e-3)  # every tensor of the checkpoint is served
-        state = await engine.staging._call("primerl_staged", {})
+        state = await engine.staging.report()
         assert state["holds"] == base_dir  # the twin now holds the previous weights
 
         await engine.update_weights(WeightUpdate(str(model_dir), 2, restore=True))  # a rollback: swapped back
         assert await served() == before_lp  # bit for bit the state served before
         assert await turn("back") == before_turn
-        assert (await engine.staging._call("primerl_staged", {}))["holds"] == ckpt_dir
+        assert (await engine.staging.report())["holds"] == ckpt_dir
 
         # Not staged: vLLM's own in-place reload, the same weights served.
         await engine.update_weights(WeightUpdate(str(ckpt), 3))
-        assert (await engine.staging._call("primerl_staged", {}))["holds"] == ckpt_dir  # twin untouched
+        assert (await engine.staging.report())["holds"] == ckpt_dir  # twin untouched
         assert await served() == pytest.approx(expected, abs=2e-3)
     finally:
         await engine.update_weights(WeightUpdate(str(model_dir), 4))  # the session's server ends as it started

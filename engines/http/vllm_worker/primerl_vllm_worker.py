@@ -49,7 +49,6 @@ class _Twin:
         self.holds = ""  # the checkpoint directory the twin holds (ready) or loads (staging)
         self.error = ""
         self.seconds = 0.0
-        self.thread: threading.Thread | None = None
 
     def report(self) -> dict[str, Any]:
         token = f"{self.nonce}-{self.token}"
@@ -143,7 +142,7 @@ def _reprocess_tied(model: torch.nn.Module) -> None:
             method.process_weights_after_loading(module)
 
 
-def _stage(worker: Any, twin: _Twin, path: str, token: int) -> None:
+def _stage(worker: Any, twin: _Twin, path: str) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
@@ -163,8 +162,6 @@ def _stage(worker: Any, twin: _Twin, path: str, token: int) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the caller, who then reloads in place
         error, state = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}", "failed"
     with twin.lock:
-        if twin.token != token:  # (cannot happen: nothing else changes the twin while a thread stages)
-            return
         twin.state, twin.error, twin.seconds = state, error, time.perf_counter() - began
         if state == "failed":
             twin.model = None  # half loaded: built again next time
@@ -228,10 +225,7 @@ class StagedWeights:
                 return {**twin.report(), "state": "busy"}
             twin.token += 1
             twin.state, twin.holds, twin.error, twin.seconds = "staging", os.path.realpath(weights_path), "", 0.0
-            twin.thread = threading.Thread(
-                target=_stage, args=(self, twin, twin.holds, twin.token), name="primerl-stage", daemon=True
-            )
-            twin.thread.start()
+            threading.Thread(target=_stage, args=(self, twin, twin.holds), name="primerl-stage", daemon=True).start()
             return twin.report()
 
     def primerl_reload(self, weights_path: str) -> None:
