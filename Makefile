@@ -97,7 +97,11 @@ TEST_WORKERS ?= $(shell awk -v c="$$(nproc)" '/^MemTotal/ {m = int($$2 / 8388608
 # tests wait on bridge children, sockets and timers much of the time (2-core machine, warm: 209 s on 3 workers,
 # 245 s on 2; docs/testing.md).
 TEST_FAST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
-PYTEST_ON = $(PY) -m pytest -q -n $(1) --dist loadscope --no-loadscope-reorder
+# One intra-op thread per test process (torch's OpenMP, MKL): with a worker per core the processes' thread pools
+# only took the cores from each other. Two learning runs of test_rl_primitives side by side on 2 workers, twice, in
+# both orders: 174 s against 189 s, 152 s against 162 s (twenty-first session, docs/testing.md).
+TEST_THREADS ?= 1
+PYTEST_ON = OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(1) --dist loadscope --no-loadscope-reorder
 PYTEST := $(call PYTEST_ON,$(TEST_WORKERS))
 # ruff first (it fails fast, ~2 s); lint-imports and mypy (~60 s with an empty cache) run beside the suite, print
 # their output as soon as they fail, and fail the run at its end (bench/out/lint.log). The vLLM and verifiers

@@ -1,6 +1,6 @@
-"""grpo.policy and grpo.losses on a tiny random Llama: the shared-prompt group forward gives the same
-logprobs and gradients as G independent full forwards; the exported weights hold every parameter, the tied lm_head
-as a copy (vLLM's in-place reload needs it), and the model's config."""
+"""grpo.policy and grpo.losses on a tiny random Llama: the shared-prompt group forward (completions in buckets of
+similar length) gives the same logprobs and gradients as G independent full forwards; the exported weights hold
+every parameter, the tied lm_head as a copy (vLLM's in-place reload needs it), and the model's config."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from grpo.losses import aggregate, clipped_surrogate, kl_k3, value_loss  # noqa: E402
-from grpo.policy import group_forward, save_for_bridge  # noqa: E402
+from grpo.policy import group_forward, length_buckets, save_for_bridge  # noqa: E402
 
 
 def tiny_model() -> object:
@@ -37,17 +37,32 @@ def full_logprobs(model: object, prompt: list[int], comp: list[int], temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(comp)[:, None]).squeeze(-1)
 
 
+def test_length_buckets_split_where_padding_costs_more_than_a_forward() -> None:
+    # one bucket: splitting [1] off saves 7 padded positions, less than a forward's overhead
+    assert length_buckets([5, 1, 8]) == [[1, 0, 2]]
+    # a calculator group: 337 positions computed in four buckets instead of 872 padded to 109
+    lengths = [16, 11, 32, 10, 109, 12, 66, 65]
+    buckets = length_buckets(lengths)
+    assert buckets == [[3, 1, 5, 0], [2], [7, 6], [4]]
+    assert sum(len(b) * max(lengths[i] for i in b) for b in buckets) == 337
+    assert length_buckets([40] * 8) == [list(range(8))]
+    assert sorted(i for b in length_buckets([3, 90, 2, 47, 46, 1]) for i in b) == list(range(6))
+
+
 @pytest.mark.slow  # ~20 s on a loaded 2-core machine (first model build)
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_group_forward_equals_independent_full_forwards(temperature: float) -> None:
+@pytest.mark.parametrize(("temperature", "lengths"), [(1.0, (5, 1, 8)), (0.7, (5, 1, 8)), (1.0, (2, 41, 3, 40))])
+def test_group_forward_equals_independent_full_forwards(temperature: float, lengths: tuple[int, ...]) -> None:
+    """One bucket, and (2, 41, 3, 40) in two: the order given, padded to the longest, either way."""
     model = tiny_model()
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 97, 9).tolist()
-    comps = [rng.integers(0, 97, n).tolist() for n in (5, 1, 8)]
+    comps = [rng.integers(0, 97, n).tolist() for n in lengths]
+    assert len(length_buckets(list(lengths))) == (1 if len(lengths) == 3 else 2)
     fwd = group_forward(model, prompt, [np.array(c) for c in comps], with_hidden=True, temperature=temperature)
-    assert fwd.logprobs.shape == (3, 8) and fwd.hidden is not None and fwd.hidden.shape == (3, 8, 32)
-    assert fwd.mask.sum(1).tolist() == [5, 1, 8]
-    weights = torch.tensor([0.3, -1.0, 2.0])
+    g, width = len(lengths), max(lengths)
+    assert fwd.logprobs.shape == (g, width) and fwd.hidden is not None and fwd.hidden.shape == (g, width, 32)
+    assert fwd.mask.sum(1).tolist() == list(lengths)
+    weights = torch.tensor([0.3, -1.0, 2.0, 0.5][:g])
     (fwd.logprobs * fwd.mask * weights[:, None]).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
     model.zero_grad()  # type: ignore[attr-defined]
