@@ -4,7 +4,7 @@
 HTTP adapters the way ``test_failover_processes`` does (the toy model's facts and tokenizer, so no model
 directory is needed) and serves ``create_server(settings, engines)`` until SIGTERM; every other setting comes
 from ``PRIMERL_*`` (``PRIMERL_FLEET__ENABLED``, ``PRIMERL_REDIS__URL`` ...). ``FleetBridgeProcess`` is the test
-side: start, wait until ready, ``kill()`` (SIGKILL), ``close()``.
+side: start, wait until ready (started again on new ports if it exits first), ``kill()`` (SIGKILL), ``close()``.
 """
 
 from __future__ import annotations
@@ -81,26 +81,50 @@ class FleetBridgeProcess:
 
     def __init__(self, urls: list[str], env: Mapping[str, str], kind: str = "sglang") -> None:
         """Over the stand-ins at ``urls``; no ``urls``: ``primerl serve`` with the engines ``env`` configures."""
+        self._urls, self._env, self._kind = list(urls), dict(env), kind
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start the child on freshly probed ports."""
         self.port, self.metrics_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "tests.integration.fleet_bridge", "--port", str(self.port)]
-        cmd += ["--metrics-port", str(self.metrics_port), "--kind", kind, *urls]
-        if not urls:
+        cmd += ["--metrics-port", str(self.metrics_port), "--kind", self._kind, *self._urls]
+        if not self._urls:
             cmd = [sys.executable, "-m", "server", "serve", "--port", str(self.port), "--http-port", "0"]
             cmd += ["--metrics-port", str(self.metrics_port), "--log-level", "WARNING"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env})
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **self._env})
         self.address = f"127.0.0.1:{self.port}"
         self.client = AsyncBridgeClient(self.address)
 
-    async def ready(self, timeout: float = 180.0) -> FleetBridgeProcess:
-        from rl_client.errors import NotFoundError
+    async def ready(self, timeout: float = 180.0, respawns: int = 2) -> FleetBridgeProcess:
+        """Wait until the child reports SERVING. A child that exits first is started again on new ports, at most
+        ``respawns`` times: a port probed free can be bound by another process before the child binds it (seen:
+        the metrics port, EADDRINUSE, then 180 s spent waiting on a dead child)."""
+        import grpc
 
-        for _ in range(50):
-            try:  # NOT_FOUND: the gRPC port is up, the first health check not done yet
-                await self.client.wait_until_ready(timeout)
+        from rl_client.errors import BridgeError, NotFoundError
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                if not respawns:
+                    raise RuntimeError(f"bridge on port {self.port} exited with {self.proc.returncode} before SERVING")
+                respawns -= 1
+                print(f"bridge on port {self.port} exited with {self.proc.returncode} before SERVING: started again")
+                await self.client.close()
+                self._spawn()
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"bridge on port {self.port} never reported SERVING in {timeout:.0f} s")
+            try:
+                await self.client.wait_until_ready(min(2.0, left))
                 return self
-            except NotFoundError:
+            except NotFoundError:  # the gRPC port is up, the first health check not done yet
                 await asyncio.sleep(0.1)
-        raise TimeoutError(f"bridge on port {self.port} never reported SERVING")
+            except BridgeError as exc:  # not SERVING within this slice: look at the child, then wait again
+                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)

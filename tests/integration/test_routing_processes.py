@@ -8,41 +8,32 @@ served a turn is read from each process's Prometheus ``primerl_engine_requests{r
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.launch import free_port
-from rl_client import AsyncBridgeClient
+from tests.integration.fleet_bridge import FleetBridgeProcess
 from tests.integration.redis_proc import PrivateRedis
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [1, 4, 30, 31, 32, 2, 5] * 6
 SAMPLING = {"max_tokens": 8, "ignore_eos": True, "seed": 1}
 
 
-class BridgeProcess:
+class BridgeProcess(FleetBridgeProcess):
+    """``primerl serve`` on two toy replicas with the shared Redis index and persistence."""
+
     def __init__(self, redis_url: str) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
         env = {
-            **os.environ,
             "PRIMERL_ENGINE__TYPE": "toy",
             "PRIMERL_ENGINE__REPLICAS": "2",
             "PRIMERL_REDIS__URL": redis_url,
             "PRIMERL_PERSISTENCE__ENABLED": "true",
             "PRIMERL_CACHE__BLOCK_SIZE": "4",
         }
-        cmd = [sys.executable, "-m", "server", "serve", "--port", str(self.port)]
-        cmd += ["--metrics-port", str(self.metrics_port), "--log-level", "WARNING"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-        self.client = AsyncBridgeClient(f"127.0.0.1:{self.port}")
+        super().__init__([], env)
 
     async def requests_by_replica(self) -> Counter[str]:
         async with httpx.AsyncClient() as http:
@@ -55,21 +46,12 @@ class BridgeProcess:
                         out[sample.labels["replica"]] += int(sample.value)
         return out
 
-    async def close(self) -> None:
-        await self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
-
 
 @pytest.fixture
 async def two_bridges(redis_server: PrivateRedis) -> AsyncIterator[tuple[BridgeProcess, BridgeProcess]]:
     a, b = BridgeProcess(redis_server.url), BridgeProcess(redis_server.url)
     try:
-        await asyncio.gather(a.client.wait_until_ready(60), b.client.wait_until_ready(60))
+        await asyncio.gather(a.ready(60), b.ready(60))
         yield a, b
     finally:
         await asyncio.gather(a.close(), b.close())
