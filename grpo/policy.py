@@ -53,7 +53,7 @@ def length_buckets(lengths: Sequence[int], overhead: int = BUCKET_OVERHEAD) -> l
     over half the rows computed nothing."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     n = len(order)
-    best = [0] + [0] * n  # best[j]: cheapest cover of the j shortest
+    best = [0] * (n + 1)  # best[j]: cheapest cover of the j shortest
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         longest = lengths[order[j - 1]]
